@@ -1,0 +1,152 @@
+//! CPU linear weights and `x · Wᵀ`.
+
+use rayon::prelude::*;
+
+use super::try_zeroed;
+use crate::backend::HostLinear;
+use crate::error::Result;
+use crate::format::DType;
+use crate::model::quant::f16_from_bytes;
+
+/// A linear weight `[rows, cols]` in host memory.
+pub enum CpuLinear {
+    /// f16 weights, widened once at load.
+    Dense {
+        rows: usize,
+        cols: usize,
+        w: Vec<f32>,
+    },
+    /// Packed codes with per-group scale and zero widened to f32.
+    Quantized {
+        rows: usize,
+        cols: usize,
+        bits: usize,
+        group_size: usize,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        zeros: Vec<f32>,
+    },
+}
+
+/// Output rows handled by one task: large enough to amortize scheduling, small enough to balance.
+const ROWS_PER_TASK: usize = 16;
+
+impl CpuLinear {
+    pub fn new(host: &HostLinear) -> Result<CpuLinear> {
+        let (rows, cols) = (host.rows, host.cols);
+        if host.dtype == DType::F16 {
+            let mut w = try_zeroed(rows * cols, "linear weight")?;
+            for (o, v) in w.iter_mut().zip(f16_from_bytes(host.bytes)) {
+                *o = v.to_f32();
+            }
+            return Ok(CpuLinear::Dense { rows, cols, w });
+        }
+        let q = host.to_quantized();
+        Ok(CpuLinear::Quantized {
+            rows,
+            cols,
+            bits: q.dtype.bits() as usize,
+            group_size: q.group_size,
+            codes: q.codes,
+            scales: q.scales.iter().map(|s| s.to_f32()).collect(),
+            zeros: q.zeros.iter().map(|z| z.to_f32()).collect(),
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            CpuLinear::Dense { rows, .. } | CpuLinear::Quantized { rows, .. } => *rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            CpuLinear::Dense { cols, .. } | CpuLinear::Quantized { cols, .. } => *cols,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            CpuLinear::Dense { w, .. } => w.len() * 4,
+            CpuLinear::Quantized {
+                codes,
+                scales,
+                zeros,
+                ..
+            } => codes.len() + (scales.len() + zeros.len()) * 4,
+        }
+    }
+
+    /// Write weight row `n`, dequantized, into `out`.
+    pub fn row_into(&self, n: usize, out: &mut [f32]) {
+        match self {
+            CpuLinear::Dense { cols, w, .. } => out.copy_from_slice(&w[n * cols..(n + 1) * cols]),
+            CpuLinear::Quantized {
+                cols,
+                bits,
+                group_size,
+                codes,
+                scales,
+                zeros,
+                ..
+            } => {
+                let per_byte = 8 / bits;
+                let mask = (1u8 << bits) - 1;
+                let row_codes = &codes[n * cols / per_byte..(n + 1) * cols / per_byte];
+                let groups = cols / group_size;
+                for (g, chunk) in out.chunks_exact_mut(*group_size).enumerate() {
+                    let (s, z) = (scales[n * groups + g], zeros[n * groups + g]);
+                    let first = g * group_size;
+                    for (i, o) in chunk.iter_mut().enumerate() {
+                        let c = first + i;
+                        let q = (row_codes[c / per_byte] >> ((c % per_byte) * bits)) & mask;
+                        *o = s * q as f32 + z;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `out[r, n] (+)= Σ_k x[r, k] · W[n, k]` for `r < rows`.
+    pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32], accumulate: bool) {
+        let (n_out, k) = (self.rows(), self.cols());
+        // Results are gathered per weight row ([n, r]) so each task dequantizes a row once.
+        let mut by_weight_row = vec![0f32; n_out * rows];
+        by_weight_row
+            .par_chunks_mut(ROWS_PER_TASK * rows)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let mut w_row = vec![0f32; k];
+                for (i, out_n) in chunk.chunks_exact_mut(rows).enumerate() {
+                    self.row_into(task * ROWS_PER_TASK + i, &mut w_row);
+                    for (r, o) in out_n.iter_mut().enumerate() {
+                        *o = dot(&x[r * k..(r + 1) * k], &w_row);
+                    }
+                }
+            });
+        for r in 0..rows {
+            let out_row = &mut out[r * n_out..(r + 1) * n_out];
+            for (n, o) in out_row.iter_mut().enumerate() {
+                let v = by_weight_row[n * rows + r];
+                *o = if accumulate { *o + v } else { v };
+            }
+        }
+    }
+}
+
+/// f32 dot product with eight independent partial sums (lets the compiler vectorize it).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut total: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        total += a[i] * b[i];
+    }
+    total
+}

@@ -1,0 +1,295 @@
+//! The CPU backend: the reference implementation of every op, written plainly.
+//! Work is split across threads (rayon) by output element, so results never depend on the
+//! thread count: each value is computed by one thread in a fixed order.
+
+mod linear;
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::{AttentionShape, Backend, HostLinear, StepInput};
+use crate::error::{Error, Result};
+use crate::model::config::NormKind;
+
+pub use linear::CpuLinear;
+
+/// Round to the nearest f16 and back: the value an f16 buffer would hold.
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+pub struct CpuStep {
+    tokens: Vec<u32>,
+    start_pos: usize,
+}
+
+/// K and V for every block application, f16 values held as f32 for fast reads.
+pub struct CpuKvCache {
+    capacity: usize,
+    kv_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl CpuKvCache {
+    fn offset(&self, slot: usize, pos: usize) -> usize {
+        (slot * self.capacity + pos) * self.kv_dim
+    }
+}
+
+/// Allocate a zeroed vector, reporting failure as an error instead of aborting.
+pub(crate) fn try_zeroed<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+        bytes: len * std::mem::size_of::<T>(),
+        what: what.to_string(),
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}
+
+impl Backend for CpuBackend {
+    type Float = Vec<f32>;
+    type Half = Vec<f32>;
+    type Linear = CpuLinear;
+    type Vector = Vec<f32>;
+    type Step = CpuStep;
+    type KvCache = CpuKvCache;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload_linear(&self, weight: &HostLinear) -> Result<CpuLinear> {
+        CpuLinear::new(weight)
+    }
+
+    fn upload_vector(&self, values: &[f16]) -> Result<Vec<f32>> {
+        Ok(values.iter().map(|v| v.to_f32()).collect())
+    }
+
+    fn alloc_float(&self, len: usize) -> Result<Vec<f32>> {
+        try_zeroed(len, "f32 activations")
+    }
+
+    fn alloc_half(&self, len: usize) -> Result<Vec<f32>> {
+        try_zeroed(len, "f16 activations")
+    }
+
+    fn alloc_step(&self, max_rows: usize) -> Result<CpuStep> {
+        Ok(CpuStep {
+            tokens: Vec::with_capacity(max_rows),
+            start_pos: 0,
+        })
+    }
+
+    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<CpuKvCache> {
+        let len = slots * capacity * kv_dim;
+        Ok(CpuKvCache {
+            capacity,
+            kv_dim,
+            k: try_zeroed(len, "K cache")?,
+            v: try_zeroed(len, "V cache")?,
+        })
+    }
+
+    fn linear_bytes(&self, w: &CpuLinear) -> usize {
+        w.bytes()
+    }
+
+    fn kv_bytes(&self, kv: &CpuKvCache) -> usize {
+        (kv.k.len() + kv.v.len()) * std::mem::size_of::<f32>()
+    }
+
+    fn set_step(&self, step: &mut CpuStep, input: StepInput) -> Result<()> {
+        step.tokens.clear();
+        step.tokens.extend_from_slice(input.tokens);
+        step.start_pos = input.start_pos;
+        Ok(())
+    }
+
+    fn embed(&self, table: &CpuLinear, step: &CpuStep, out: &mut Vec<f32>) {
+        for (r, &token) in step.tokens.iter().enumerate() {
+            let width = table.cols();
+            table.row_into(token as usize, &mut out[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn embed_half(&self, table: &CpuLinear, step: &CpuStep, out: &mut Vec<f32>) {
+        // The table is f16, so its values are already exact f16 values.
+        self.embed(table, step, out);
+    }
+
+    fn norm(
+        &self,
+        kind: NormKind,
+        eps: f32,
+        x: &Vec<f32>,
+        rows: usize,
+        weight: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+    ) {
+        let d = weight.len();
+        for r in 0..rows {
+            let row = &x[r * d..(r + 1) * d];
+            let out = &mut out[r * d..(r + 1) * d];
+            let n = d as f32;
+            let (mean, var) = match kind {
+                NormKind::RmsNorm => (0.0, row.iter().map(|v| v * v).sum::<f32>() / n),
+                NormKind::LayerNorm => {
+                    let mean = row.iter().sum::<f32>() / n;
+                    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+                    (mean, var)
+                }
+            };
+            let inv = 1.0 / (var + eps).sqrt();
+            for i in 0..d {
+                let b = bias.map_or(0.0, |b| b[i]);
+                out[i] = round_f16((row[i] - mean) * inv * weight[i] + b);
+            }
+        }
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        first_row: usize,
+        rows: usize,
+        w: &CpuLinear,
+        out: &mut Vec<f32>,
+        accumulate: bool,
+    ) {
+        let k = w.cols();
+        w.matmul(&x[first_row * k..(first_row + rows) * k], rows, out, accumulate);
+    }
+
+    fn mlp_gate_up(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        gate: &CpuLinear,
+        up: &CpuLinear,
+        gate_buf: &mut Vec<f32>,
+        up_buf: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        self.linear(x, 0, rows, gate, gate_buf, false);
+        self.linear(x, 0, rows, up, up_buf, false);
+        let n = rows * gate.rows();
+        for ((o, &g), &u) in out[..n].iter_mut().zip(&gate_buf[..n]).zip(&up_buf[..n]) {
+            *o = round_f16(g / (1.0 + (-g).exp()) * u);
+        }
+    }
+
+    fn rope_store_kv(
+        &self,
+        qkv: &mut Vec<f32>,
+        step: &CpuStep,
+        rows: usize,
+        heads: AttentionShape,
+        rope: &Vec<f32>,
+        kv: &mut CpuKvCache,
+        slot: usize,
+    ) {
+        let hd = heads.head_dim;
+        let half = hd / 2;
+        let width = heads.qkv_dim();
+        for r in 0..rows {
+            let pos = step.start_pos + r;
+            let table = &rope[pos * hd..(pos + 1) * hd];
+            let row = &mut qkv[r * width..(r + 1) * width];
+            // Q and K heads are contiguous; rotate each head's pairs (i, i + half).
+            for head in row[..heads.q_dim() + heads.kv_dim()].chunks_exact_mut(hd) {
+                for i in 0..half {
+                    let (cos, sin) = (table[2 * i], table[2 * i + 1]);
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos - b * sin;
+                    head[i + half] = a * sin + b * cos;
+                }
+            }
+            let at = kv.offset(slot, pos);
+            let kd = heads.kv_dim();
+            let (k, v) = row[heads.q_dim()..].split_at(kd);
+            for i in 0..kd {
+                kv.k[at + i] = round_f16(k[i]);
+                kv.v[at + i] = round_f16(v[i]);
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        qkv: &Vec<f32>,
+        step: &CpuStep,
+        rows: usize,
+        heads: AttentionShape,
+        kv: &CpuKvCache,
+        slot: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let hd = heads.head_dim;
+        let group = heads.n_heads / heads.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q_dim = heads.q_dim();
+        out[..rows * q_dim]
+            .par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(index, out)| {
+                let (r, h) = (index / heads.n_heads, index % heads.n_heads);
+                let pos = step.start_pos + r;
+                let q: Vec<f32> = qkv[r * heads.qkv_dim() + h * hd..][..hd]
+                    .iter()
+                    .map(|&v| round_f16(v))
+                    .collect();
+                let kv_off = (h / group) * hd;
+                let mut scores: Vec<f32> = (0..=pos)
+                    .map(|t| {
+                        let k = &kv.k[kv.offset(slot, t) + kv_off..][..hd];
+                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    total += *s;
+                }
+                let mut acc = vec![0f32; hd];
+                for (t, s) in scores.iter().enumerate() {
+                    let v = &kv.v[kv.offset(slot, t) + kv_off..][..hd];
+                    for (a, &b) in acc.iter_mut().zip(v) {
+                        *a += s * b;
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = round_f16(a / total);
+                }
+            });
+    }
+
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        for (a, b) in acc[..len].iter_mut().zip(&x[..len]) {
+            *a += b;
+        }
+    }
+
+    fn to_half(&self, x: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        for (o, &v) in out[..len].iter_mut().zip(&x[..len]) {
+            *o = round_f16(v);
+        }
+    }
+
+    fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
+        Ok(x[offset..offset + len].to_vec())
+    }
+
+    fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {
+        x[..values.len()].copy_from_slice(values);
+        Ok(())
+    }
+}

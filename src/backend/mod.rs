@@ -1,0 +1,205 @@
+//! The op set the forward pass needs. The forward pass (model/forward.rs) is written once over
+//! this trait; `cpu` is the reference implementation, `cuda` the fast path.
+//!
+//! Numerics contract, shared by every backend (docs/FORMAT.md "Numerics"):
+//! * the residual stream, linear outputs, attention scores and logits are f32;
+//! * linear inputs are f16: the outputs of norms, attention and SwiGLU are rounded to f16;
+//! * linear weights are dequantized as `scale · q + zero` in f32 and accumulated in f32;
+//! * K and V are cached as f16 and Q is rounded to f16 before the dot products;
+//! * RoPE uses the host-computed table of [`rope_table`].
+
+pub mod cpu;
+
+use half::f16;
+
+use crate::error::Result;
+use crate::model::config::NormKind;
+use crate::format::DType;
+use crate::model::quant::QuantizedMatrix;
+
+/// A linear weight `[rows, cols]` as stored in the file (docs/FORMAT.md encodings), before upload.
+#[derive(Clone, Copy, Debug)]
+pub struct HostLinear<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    /// Quantization group size (equal to `cols` for f16).
+    pub group_size: usize,
+    /// The tensor's bytes: f16 values, or codes + scales + zeros.
+    pub bytes: &'a [u8],
+}
+
+impl HostLinear<'_> {
+    pub fn to_quantized(&self) -> QuantizedMatrix {
+        QuantizedMatrix::from_bytes(self.dtype, self.rows, self.cols, self.group_size, self.bytes)
+    }
+}
+
+/// Position-dependent inputs of one forward step: token ids and the position of the first row.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInput<'a> {
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+}
+
+/// A device and the kernels that run on it.
+///
+/// Buffer types own device memory. Every op enqueues work; only the `read_*` methods and
+/// [`Backend::argmax`] wait for results. `rows` arguments never exceed the row capacity the
+/// buffer was allocated with (the forward pass guarantees this).
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// f32 rows (residual stream, linear outputs, logits).
+    type Float: Send;
+    /// f16 rows (inputs of linear layers).
+    type Half: Send;
+    /// An uploaded linear weight (f16, int4 or int2).
+    type Linear: Send + Sync;
+    /// An uploaded f16 parameter vector (norm weight or bias).
+    type Vector: Send + Sync;
+    /// Per-session position inputs (token ids, start position) on the device.
+    type Step: Send;
+    /// An f16 K/V cache: `slots` block applications × `capacity` positions × `kv_dim`.
+    type KvCache: Send;
+
+    fn describe(&self) -> String;
+
+    fn upload_linear(&self, weight: &HostLinear) -> Result<Self::Linear>;
+    fn upload_vector(&self, values: &[f16]) -> Result<Self::Vector>;
+
+    fn alloc_float(&self, len: usize) -> Result<Self::Float>;
+    fn alloc_half(&self, len: usize) -> Result<Self::Half>;
+    fn alloc_step(&self, max_rows: usize) -> Result<Self::Step>;
+    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<Self::KvCache>;
+
+    /// Bytes of device memory a buffer or weight occupies (for `vram_usage_mb`).
+    fn linear_bytes(&self, w: &Self::Linear) -> usize;
+    fn kv_bytes(&self, kv: &Self::KvCache) -> usize;
+
+    /// Stage the token ids and start position of the next step.
+    fn set_step(&self, step: &mut Self::Step, input: StepInput) -> Result<()>;
+
+    /// `out[r] = table[token_r]` for the staged tokens, as f32.
+    fn embed(&self, table: &Self::Linear, step: &Self::Step, out: &mut Self::Float);
+    /// Same as [`Backend::embed`] into an f16 buffer (input of a factorized embedding projection).
+    fn embed_half(&self, table: &Self::Linear, step: &Self::Step, out: &mut Self::Half);
+
+    /// Normalize `rows` rows of `x` (width = weight length) and round to f16.
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        kind: NormKind,
+        eps: f32,
+        x: &Self::Float,
+        rows: usize,
+        weight: &Self::Vector,
+        bias: Option<&Self::Vector>,
+        out: &mut Self::Half,
+    );
+
+    /// `out[r] (+)= x[first_row + r] · wᵀ` for `r < rows`; accumulate adds into `out`.
+    fn linear(
+        &self,
+        x: &Self::Half,
+        first_row: usize,
+        rows: usize,
+        w: &Self::Linear,
+        out: &mut Self::Float,
+        accumulate: bool,
+    );
+
+    /// `out = f16(silu(x · gateᵀ) * (x · upᵀ))`; `gate_buf` / `up_buf` are f32 scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_gate_up(
+        &self,
+        x: &Self::Half,
+        rows: usize,
+        gate: &Self::Linear,
+        up: &Self::Linear,
+        gate_buf: &mut Self::Float,
+        up_buf: &mut Self::Float,
+        out: &mut Self::Half,
+    );
+
+    /// Apply RoPE to the Q and K parts of `qkv` (`rows` rows at the staged positions) and write
+    /// K and V into `slot` of the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv(
+        &self,
+        qkv: &mut Self::Float,
+        step: &Self::Step,
+        rows: usize,
+        heads: AttentionShape,
+        rope: &Self::Float,
+        kv: &mut Self::KvCache,
+        slot: usize,
+    );
+
+    /// Causal attention of the staged rows' queries over positions `0..=pos` of `slot`;
+    /// output rounded to f16, `rows × n_heads·head_dim`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        qkv: &Self::Float,
+        step: &Self::Step,
+        rows: usize,
+        heads: AttentionShape,
+        kv: &Self::KvCache,
+        slot: usize,
+        out: &mut Self::Half,
+    );
+
+    /// `acc += x` elementwise over the first `len` values.
+    fn add(&self, acc: &mut Self::Float, x: &Self::Float, len: usize);
+
+    /// Round the first `len` values to f16.
+    fn to_half(&self, x: &Self::Float, len: usize, out: &mut Self::Half);
+
+    /// Copy `len` values starting at `offset` to the host (waits for the device).
+    fn read_float(&self, x: &Self::Float, offset: usize, len: usize) -> Result<Vec<f32>>;
+
+    /// Upload host values into a float buffer (used for constant tables).
+    fn write_float(&self, x: &mut Self::Float, values: &[f32]) -> Result<()>;
+
+    /// Index of the largest of `len` values at `offset` (lowest index on ties).
+    fn argmax(&self, x: &Self::Float, offset: usize, len: usize) -> Result<u32> {
+        Ok(crate::generate::sampling::argmax(
+            &self.read_float(x, offset, len)?,
+        ))
+    }
+}
+
+/// Head geometry that attention kernels need.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    pub fn qkv_dim(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+}
+
+/// RoPE table `[positions, head_dim / 2, 2]` of (cos, sin), computed in f64 and rounded to f32,
+/// with frequency `theta^(-2i / head_dim)` for pair i. Pairs rotate (x[i], x[i + head_dim/2]).
+pub fn rope_table(positions: usize, head_dim: usize, theta: f32) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut table = Vec::with_capacity(positions * half * 2);
+    for pos in 0..positions {
+        for i in 0..half {
+            let freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            let angle = pos as f64 * freq;
+            table.push(angle.cos() as f32);
+            table.push(angle.sin() as f32);
+        }
+    }
+    table
+}

@@ -1,0 +1,1 @@
+//! The C ABI (see docs/ABI.md).

@@ -1,0 +1,211 @@
+//! The forward pass, written once over the [`Backend`] op set.
+//!
+//! One step feeds `rows` tokens at positions `start_pos..start_pos + rows` through every block
+//! application (pre blocks, the loop body L times, post blocks). Application `a` owns KV slot `a`,
+//! so the state after loop iteration i never depends on the total L.
+
+use crate::backend::{AttentionShape, Backend, StepInput};
+use crate::error::{Error, Result};
+use crate::model::config::ModelConfig;
+use crate::model::weights::{BlockWeights, Head, Norm, Weights};
+
+/// Logit rows computed per head call; bounds the logits buffer at `LOGIT_ROWS × vocab`.
+pub const LOGIT_ROWS: usize = 16;
+
+/// The order of block applications for `loops` iterations: indices into `Weights::blocks`.
+pub fn schedule(config: &ModelConfig, loops: usize) -> impl Iterator<Item = usize> + '_ {
+    let (n_pre, k) = (config.n_pre_blocks, config.n_loop_blocks);
+    let pre = 0..n_pre;
+    let body = (0..loops).flat_map(move |_| n_pre..n_pre + k);
+    let post = n_pre + k..n_pre + k + config.n_post_blocks;
+    pre.chain(body).chain(post)
+}
+
+/// Per-session runtime buffers, allocated once for `max_rows` rows per step.
+pub struct Buffers<B: Backend> {
+    pub max_rows: usize,
+    x: B::Float,
+    h: B::Half,
+    qkv: B::Float,
+    att: B::Half,
+    gate: B::Float,
+    up: B::Float,
+    act: B::Half,
+    factor: B::Float,
+    factor_half: B::Half,
+    pub logits: B::Float,
+    step: B::Step,
+    kv: Option<B::KvCache>,
+    kv_slots: usize,
+    kv_capacity: usize,
+    /// Bytes held by the buffers above, KV cache excluded.
+    pub bytes: usize,
+}
+
+impl<B: Backend> Buffers<B> {
+    pub fn new(backend: &B, config: &ModelConfig, max_rows: usize, max_seq: usize) -> Result<Self> {
+        let (d, f, r) = (config.dim, config.ffn_dim, config.embed_factor_dim);
+        let wide = d.max(r);
+        let float_len = [d, config.qkv_dim(), f, f].map(|w| w * max_rows);
+        let half_len = [wide, d, f].map(|w| w * max_rows);
+        let logits_len = LOGIT_ROWS * config.vocab_size;
+        let factor_len = LOGIT_ROWS * r.max(1);
+        let bytes = 4 * (float_len.iter().sum::<usize>() + logits_len + factor_len)
+            + 2 * (half_len.iter().sum::<usize>() + factor_len);
+        Ok(Buffers {
+            max_rows,
+            x: backend.alloc_float(float_len[0].max(wide * max_rows))?,
+            qkv: backend.alloc_float(float_len[1])?,
+            gate: backend.alloc_float(float_len[2])?,
+            up: backend.alloc_float(float_len[3])?,
+            h: backend.alloc_half(half_len[0])?,
+            att: backend.alloc_half(half_len[1])?,
+            act: backend.alloc_half(half_len[2])?,
+            factor: backend.alloc_float(factor_len)?,
+            factor_half: backend.alloc_half(factor_len)?,
+            logits: backend.alloc_float(logits_len)?,
+            step: backend.alloc_step(max_rows)?,
+            kv: None,
+            kv_slots: 0,
+            kv_capacity: max_seq,
+            bytes,
+        })
+    }
+
+    /// Make sure the KV cache has `slots` slots; grows (and clears) it when it has fewer.
+    pub fn reserve_kv(&mut self, backend: &B, config: &ModelConfig, slots: usize) -> Result<()> {
+        if self.kv.is_none() || self.kv_slots < slots {
+            self.kv = None; // release the old cache before allocating the larger one
+            self.kv = Some(backend.alloc_kv(slots, self.kv_capacity, config.kv_dim())?);
+            self.kv_slots = slots;
+        }
+        Ok(())
+    }
+
+    pub fn kv_bytes(&self, backend: &B) -> usize {
+        self.kv.as_ref().map_or(0, |kv| backend.kv_bytes(kv))
+    }
+}
+
+/// Run one step through every block application; afterwards the residual stream of each row is
+/// in the buffers, ready for [`logits`].
+pub fn forward<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    loops: usize,
+) -> Result<()> {
+    let config = &w.config;
+    let rows = input.tokens.len();
+    if rows == 0 || rows > buf.max_rows {
+        return Err(Error::invalid(format!(
+            "step of {rows} rows (buffers hold 1..={})",
+            buf.max_rows
+        )));
+    }
+    if input.start_pos + rows > buf.kv_capacity {
+        return Err(Error::invalid(format!(
+            "sequence of {} tokens exceeds max_seq_len {}",
+            input.start_pos + rows,
+            buf.kv_capacity
+        )));
+    }
+    buf.reserve_kv(backend, config, config.applications(loops))?;
+    backend.set_step(&mut buf.step, input)?;
+
+    match &w.embed_proj {
+        None => backend.embed(&w.embed, &buf.step, &mut buf.x),
+        Some(proj) => {
+            backend.embed_half(&w.embed, &buf.step, &mut buf.h);
+            backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
+        }
+    }
+    for (slot, block) in schedule(config, loops).enumerate() {
+        block_forward(backend, config, &w.blocks[block], &w.rope, buf, rows, slot);
+    }
+    Ok(())
+}
+
+fn block_forward<B: Backend>(
+    backend: &B,
+    config: &ModelConfig,
+    block: &BlockWeights<B>,
+    rope: &B::Float,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    slot: usize,
+) {
+    let heads = AttentionShape {
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim: config.head_dim(),
+    };
+    let kv = buf.kv.as_mut().expect("KV cache reserved before the step");
+
+    // Attention: x += attn_out · attention(rope(qkv · norm(x)))
+    norm(backend, config, &block.attn_norm, &buf.x, rows, &mut buf.h);
+    backend.linear(&buf.h, 0, rows, &block.attn_qkv, &mut buf.qkv, false);
+    backend.rope_store_kv(&mut buf.qkv, &buf.step, rows, heads, rope, kv, slot);
+    backend.attention(&buf.qkv, &buf.step, rows, heads, kv, slot, &mut buf.att);
+    backend.linear(&buf.att, 0, rows, &block.attn_out, &mut buf.x, true);
+
+    // MLP: x += mlp_down · (silu(mlp_gate · h) * (mlp_up · h)), h = norm(x)
+    norm(backend, config, &block.mlp_norm, &buf.x, rows, &mut buf.h);
+    backend.mlp_gate_up(
+        &buf.h,
+        rows,
+        &block.mlp_gate,
+        &block.mlp_up,
+        &mut buf.gate,
+        &mut buf.up,
+        &mut buf.act,
+    );
+    backend.linear(&buf.act, 0, rows, &block.mlp_down, &mut buf.x, true);
+}
+
+fn norm<B: Backend>(
+    backend: &B,
+    config: &ModelConfig,
+    n: &Norm<B>,
+    x: &B::Float,
+    rows: usize,
+    out: &mut B::Half,
+) {
+    backend.norm(
+        config.norm,
+        config.norm_eps,
+        x,
+        rows,
+        &n.weight,
+        n.bias.as_ref(),
+        out,
+    );
+}
+
+/// Apply the final norm to the step's `rows` rows.
+pub fn final_norm<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    norm(backend, &w.config, &w.final_norm, &buf.x, rows, &mut buf.h);
+}
+
+/// Logits of rows `first_row..first_row + n` (n ≤ LOGIT_ROWS) of the final-normed step into
+/// `buf.logits` rows `0..n`. Call [`final_norm`] first.
+pub fn logits<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    first_row: usize,
+    n: usize,
+) {
+    debug_assert!(n <= LOGIT_ROWS);
+    match &w.head {
+        Head::Untied(head) => backend.linear(&buf.h, first_row, n, head, &mut buf.logits, false),
+        Head::Tied => backend.linear(&buf.h, first_row, n, &w.embed, &mut buf.logits, false),
+        Head::TiedFactorized(proj_t) => {
+            backend.linear(&buf.h, first_row, n, proj_t, &mut buf.factor, false);
+            let len = n * w.config.embed_factor_dim;
+            backend.to_half(&buf.factor, len, &mut buf.factor_half);
+            backend.linear(&buf.factor_half, 0, n, &w.embed, &mut buf.logits, false);
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The model family: architecture, tensor layout, quantization, weights and the forward pass.
+
+pub mod config;
+pub mod forward;
+pub mod layout;
+pub mod quant;
+pub mod synth;
+pub mod weights;

@@ -1,0 +1,163 @@
+//! Deterministic random-weight models for tests and benchmarks (`tinyloop synth`).
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::config::{HeadKind, ModelConfig, NormKind};
+use super::layout::{expected_tensors, TensorRole};
+use super::quant::{quantize_rtn, LinearData};
+use crate::error::{Error, Result};
+use crate::format::{DType, FileWriter};
+use crate::generate::sampling::Rng;
+
+/// Names accepted by [`preset`].
+pub const PRESETS: [&str; 5] = ["tiny", "small", "tl-407m", "tiny-gqa", "tiny-tied"];
+
+/// The architecture of a named preset.
+///
+/// * `tiny`: byte vocab, D 64, 4 heads, F 256, 2 pre + 1 loop, L 4.
+/// * `small`: byte vocab, D 512, 8 heads, F 2048, 2 pre + 1 loop, L 4.
+/// * `tl-407m`: D 2048, 16 heads, F 8192, vocab 50304, 2 pre + 1 loop, L 8.
+/// * `tiny-gqa`: GQA (4 heads, 2 KV heads), LayerNorm, factorized embedding with tied head,
+///   1 pre + 2 loop + 1 post blocks, L 3.
+/// * `tiny-tied`: no pre blocks, tied full-rank head, L 2.
+pub fn preset(name: &str) -> Result<ModelConfig> {
+    let base = ModelConfig {
+        dim: 64,
+        n_heads: 4,
+        n_kv_heads: 4,
+        ffn_dim: 256,
+        vocab_size: 256,
+        embed_factor_dim: 0,
+        n_pre_blocks: 2,
+        n_loop_blocks: 1,
+        n_post_blocks: 0,
+        default_loops: 4,
+        norm: NormKind::RmsNorm,
+        norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        max_position: 2048,
+        head: HeadKind::Untied,
+    };
+    Ok(match name {
+        "tiny" => base,
+        "small" => ModelConfig {
+            dim: 512,
+            n_heads: 8,
+            n_kv_heads: 8,
+            ffn_dim: 2048,
+            ..base
+        },
+        "tl-407m" => ModelConfig {
+            dim: 2048,
+            n_heads: 16,
+            n_kv_heads: 16,
+            ffn_dim: 8192,
+            vocab_size: 50304,
+            default_loops: 8,
+            max_position: 4096,
+            ..base
+        },
+        "tiny-gqa" => ModelConfig {
+            n_kv_heads: 2,
+            ffn_dim: 192,
+            embed_factor_dim: 32,
+            n_pre_blocks: 1,
+            n_loop_blocks: 2,
+            n_post_blocks: 1,
+            default_loops: 3,
+            norm: NormKind::LayerNorm,
+            head: HeadKind::Tied,
+            ..base
+        },
+        "tiny-tied" => ModelConfig {
+            n_pre_blocks: 0,
+            default_loops: 2,
+            head: HeadKind::Tied,
+            ..base
+        },
+        other => {
+            return Err(Error::invalid(format!(
+                "unknown preset {other:?} (known: {})",
+                PRESETS.join(", ")
+            )))
+        }
+    })
+}
+
+/// Random weights for `config`: block linears stored at `bits` (16, 4 or 2) with `group_size`
+/// (0 = per row), everything else f16. The same arguments always give the same bytes.
+pub fn random_model(
+    config: &ModelConfig,
+    seed: u64,
+    bits: u32,
+    group_size: usize,
+) -> Result<FileWriter> {
+    config.validate()?;
+    let dtype = DType::from_bits(bits)?;
+    let specs = expected_tensors(config);
+    // Each tensor draws from its own generator, so tensors can be built in parallel.
+    let tensors: Vec<(usize, LinearData)> = specs
+        .par_iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
+            let values = random_values(&spec.name, &spec.shape, spec.role, &mut rng);
+            let is_block_linear = spec.role == TensorRole::Linear && spec.name.contains('.');
+            let data = if is_block_linear && dtype.is_quantized() {
+                let (rows, cols) = (spec.shape[0] as usize, spec.shape[1] as usize);
+                LinearData::Quantized(quantize_rtn(&values, rows, cols, dtype, group_size)?)
+            } else {
+                LinearData::F16(values.iter().map(|&v| f16::from_f32(v)).collect())
+            };
+            Ok((i, data))
+        })
+        .collect::<Result<_>>()?;
+
+    let mut writer = FileWriter::new(config.clone());
+    writer.set_metadata("tokenizer", serde_json::json!(tokenizer_name(config)));
+    writer.set_metadata(
+        "source",
+        serde_json::json!(format!("synthetic random weights, seed {seed}")),
+    );
+    for (i, data) in &tensors {
+        let spec = &specs[*i];
+        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        match (spec.role, data) {
+            (TensorRole::Linear, data) => writer.add_linear(&spec.name, shape[0], shape[1], data),
+            (_, LinearData::F16(values)) => writer.add_f16(&spec.name, &shape, values),
+            (_, LinearData::Quantized(_)) => unreachable!("only linears are quantized"),
+        }
+    }
+    Ok(writer)
+}
+
+fn tokenizer_name(config: &ModelConfig) -> &'static str {
+    if config.vocab_size == 256 {
+        "bytes"
+    } else {
+        "none"
+    }
+}
+
+fn random_values(name: &str, shape: &[u64], role: TensorRole, rng: &mut Rng) -> Vec<f32> {
+    let len = shape.iter().product::<u64>() as usize;
+    let mut normal = || {
+        // Box–Muller; one value per draw keeps the stream simple.
+        let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
+        let u2 = rng.next_f64();
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    };
+    match role {
+        TensorRole::Vector if name.ends_with(".bias") => (0..len).map(|_| 0.05 * normal()).collect(),
+        TensorRole::Vector => (0..len).map(|_| 1.0 + 0.1 * normal()).collect(),
+        TensorRole::Table => (0..len).map(|_| normal()).collect(),
+        TensorRole::Linear => {
+            // Variance 1/fan_in keeps activations O(1); residual branches get half that gain.
+            let fan_in = shape[1] as f32;
+            let residual = name.ends_with("attn_out") || name.ends_with("mlp_down");
+            let gain = if residual { 0.5 } else { 1.0 } / fan_in.sqrt();
+            (0..len).map(|_| gain * normal()).collect()
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Model weights uploaded to one backend. Immutable after load, shared by every session.
+
+use crate::backend::{rope_table, Backend, HostLinear};
+use crate::error::{Error, Result};
+use crate::format::{DType, ModelFile};
+use crate::model::config::{HeadKind, ModelConfig};
+use crate::model::layout::{block_name, blocks, BLOCK_LINEARS};
+use crate::model::quant::f16_from_bytes;
+
+pub struct Norm<B: Backend> {
+    pub weight: B::Vector,
+    pub bias: Option<B::Vector>,
+}
+
+pub struct BlockWeights<B: Backend> {
+    pub attn_norm: Norm<B>,
+    pub attn_qkv: B::Linear,
+    pub attn_out: B::Linear,
+    pub mlp_norm: Norm<B>,
+    pub mlp_gate: B::Linear,
+    pub mlp_up: B::Linear,
+    pub mlp_down: B::Linear,
+}
+
+pub enum Head<B: Backend> {
+    Untied(B::Linear),
+    /// Logits are `embed · h`.
+    Tied,
+    /// Logits are `embed · (embed_projᵀ · h)`; holds `embed_projᵀ` as an `[r, D]` linear.
+    TiedFactorized(B::Linear),
+}
+
+pub struct Weights<B: Backend> {
+    pub config: ModelConfig,
+    /// `[vocab, D]` or `[vocab, r]`, always f16.
+    pub embed: B::Linear,
+    pub embed_proj: Option<B::Linear>,
+    /// Pre blocks, then loop blocks, then post blocks.
+    pub blocks: Vec<BlockWeights<B>>,
+    pub final_norm: Norm<B>,
+    pub head: Head<B>,
+    /// RoPE (cos, sin) table for every position a session may use.
+    pub rope: B::Float,
+    /// Bytes of device memory the weights occupy.
+    pub bytes: usize,
+}
+
+impl<B: Backend> Weights<B> {
+    /// Upload every tensor of `file`; the RoPE table covers `positions` positions.
+    pub fn load(backend: &B, file: &ModelFile, positions: usize) -> Result<Weights<B>> {
+        let config = file.config.clone();
+        let mut bytes = 0usize;
+        let mut linear = |name: &str| -> Result<B::Linear> {
+            let w = backend.upload_linear(&host_linear(file, name)?)?;
+            bytes += backend.linear_bytes(&w);
+            Ok(w)
+        };
+        let embed = linear("embed")?;
+        let embed_proj = if config.embed_factor_dim > 0 {
+            Some(linear("embed_proj")?)
+        } else {
+            None
+        };
+        let mut block_weights = Vec::new();
+        for (stage, index) in blocks(&config) {
+            let b = block_name(stage, index);
+            let [qkv, out, gate, up, down] = BLOCK_LINEARS.map(|n| format!("{b}.{n}"));
+            block_weights.push(BlockWeights {
+                attn_norm: load_norm(backend, file, &format!("{b}.attn_norm"))?,
+                attn_qkv: linear(&qkv)?,
+                attn_out: linear(&out)?,
+                mlp_norm: load_norm(backend, file, &format!("{b}.mlp_norm"))?,
+                mlp_gate: linear(&gate)?,
+                mlp_up: linear(&up)?,
+                mlp_down: linear(&down)?,
+            });
+        }
+        let head = match (config.head, config.embed_factor_dim) {
+            (HeadKind::Untied, _) => Head::Untied(linear("head")?),
+            (HeadKind::Tied, 0) => Head::Tied,
+            (HeadKind::Tied, _) => Head::TiedFactorized(linear_transposed(backend, file)?),
+        };
+        let final_norm = load_norm(backend, file, "final_norm")?;
+        let table = rope_table(positions, config.head_dim(), config.rope_theta);
+        let mut rope = backend.alloc_float(table.len())?;
+        backend.write_float(&mut rope, &table)?;
+        bytes += table.len() * 4 + 2 * config.dim * 2 * (block_weights.len() + 1);
+        Ok(Weights {
+            config,
+            embed,
+            embed_proj,
+            blocks: block_weights,
+            final_norm,
+            head,
+            rope,
+            bytes,
+        })
+    }
+}
+
+fn host_linear<'f>(file: &'f ModelFile, name: &str) -> Result<HostLinear<'f>> {
+    let (entry, bytes) = file
+        .tensor(name)
+        .ok_or_else(|| Error::format(format!("missing tensor {name}")))?;
+    let (rows, cols) = (entry.shape[0] as usize, entry.shape[1] as usize);
+    Ok(HostLinear {
+        rows,
+        cols,
+        dtype: entry.dtype,
+        group_size: entry.group_size.map_or(cols, |g| g as usize),
+        bytes,
+    })
+}
+
+fn load_norm<B: Backend>(backend: &B, file: &ModelFile, name: &str) -> Result<Norm<B>> {
+    let vector = |name: &str| -> Result<Option<B::Vector>> {
+        match file.tensor(name) {
+            Some((_, bytes)) => Ok(Some(backend.upload_vector(&f16_from_bytes(bytes))?)),
+            None => Ok(None),
+        }
+    };
+    Ok(Norm {
+        weight: vector(name)?.ok_or_else(|| Error::format(format!("missing tensor {name}")))?,
+        bias: vector(&format!("{name}.bias"))?,
+    })
+}
+
+/// `embed_projᵀ` as an f16 `[r, D]` linear, for the factorized tied head.
+fn linear_transposed<B: Backend>(backend: &B, file: &ModelFile) -> Result<B::Linear> {
+    let proj = host_linear(file, "embed_proj")?;
+    let (d, r) = (proj.rows, proj.cols);
+    let mut row = vec![0f32; r];
+    let mut transposed = vec![half::f16::ZERO; r * d];
+    let quantized = proj.dtype.is_quantized().then(|| proj.to_quantized());
+    let values = (proj.dtype == DType::F16).then(|| f16_from_bytes(proj.bytes));
+    for i in 0..d {
+        match (&quantized, &values) {
+            (Some(q), _) => q.dequantize_row(i, &mut row),
+            (_, Some(v)) => row
+                .iter_mut()
+                .zip(&v[i * r..(i + 1) * r])
+                .for_each(|(o, x)| *o = x.to_f32()),
+            _ => unreachable!("linear weights are f16 or quantized"),
+        }
+        for (j, &x) in row.iter().enumerate() {
+            transposed[j * d + i] = half::f16::from_f32(x);
+        }
+    }
+    let bytes = crate::model::quant::f16_to_bytes(&transposed);
+    backend.upload_linear(&HostLinear {
+        rows: r,
+        cols: d,
+        dtype: DType::F16,
+        group_size: d,
+        bytes: &bytes,
+    })
+}
