@@ -3,6 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::backend::cuda::CudaBackend;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -64,16 +65,31 @@ impl fmt::Display for Device {
 
 /// The backend a model will load onto.
 pub(crate) enum Selected {
-    Cpu,
+    /// The CPU; `note` says why when `auto` fell back to it.
+    Cpu {
+        note: Option<String>,
+    },
+    Cuda(Box<CudaBackend>),
 }
 
-/// Resolve a requested device to a usable backend, saying why when `auto` falls back.
+/// Resolve a requested device to a usable backend. `cuda` / `cuda:N` without a usable GPU is an
+/// [`Error::Device`] that says why; `auto` falls back to the CPU and the note says why.
 pub(crate) fn select(requested: Device) -> Result<Selected> {
     match requested {
-        Device::Cpu => Ok(Selected::Cpu),
-        Device::Auto => Ok(Selected::Cpu),
-        Device::Cuda(n) => Err(Error::Device(format!(
-            "cuda:{n} requested, but this build has no CUDA backend"
-        ))),
+        Device::Cpu => Ok(Selected::Cpu { note: None }),
+        Device::Cuda(n) => CudaBackend::open(n)
+            .map(|b| Selected::Cuda(Box::new(b)))
+            .map_err(|e| match e {
+                Error::Device(why) => Error::Device(format!("cuda:{n} is not usable: {why}")),
+                other => other,
+            }),
+        Device::Auto => match CudaBackend::open(0) {
+            Ok(b) => Ok(Selected::Cuda(Box::new(b))),
+            Err(e) => Ok(Selected::Cpu {
+                note: Some(format!(
+                    "device auto: using the CPU because CUDA is unavailable ({e})"
+                )),
+            }),
+        },
     }
 }

@@ -13,6 +13,7 @@
 //! sequence; it is used by one thread at a time, and many sessions share one model's weights.
 
 pub mod backend;
+pub mod convert;
 mod device;
 pub mod error;
 pub mod ffi;
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use backend::cpu::CpuBackend;
+use backend::cuda::CudaBackend;
 use backend::Backend;
 use generate::GenerateRequest;
 use model::forward::Buffers;
@@ -97,6 +99,11 @@ pub struct ModelInfo {
     pub file_bytes: usize,
     pub weight_bytes: usize,
     pub load_ms: f64,
+    /// CUDA only: how this open obtained the kernels ("disk cache hit (3.1 ms)", "compiled by
+    /// NVRTC 13.0 for sm_90 in 9000 ms, cached in ...", "already loaded in this process").
+    pub kernels: Option<String>,
+    /// CUDA only: milliseconds this open spent compiling or loading kernels (part of `load_ms`).
+    pub kernel_ms: f64,
     pub metadata: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -107,10 +114,19 @@ struct Loaded<B: Backend> {
 
 enum Engine {
     Cpu(Loaded<CpuBackend>),
+    Cuda(Loaded<CudaBackend>),
 }
 
 enum SessionState {
     Cpu(Buffers<CpuBackend>),
+    Cuda(CudaSession),
+}
+
+/// A CUDA session: its buffers and its own backend instance (stream, attention scratch) over the
+/// model's shared weights. Buffers drop first, then the stream.
+struct CudaSession {
+    buffers: Buffers<CudaBackend>,
+    backend: CudaBackend,
 }
 
 struct Shared {
@@ -129,6 +145,12 @@ macro_rules! with_backend {
                 let ($backend, $weights) = (&loaded.backend, &loaded.weights);
                 $body
             }
+            (Engine::Cuda(loaded), SessionState::Cuda(session)) => {
+                let ($backend, $weights, $buffers) =
+                    (&session.backend, &loaded.weights, &mut session.buffers);
+                $body
+            }
+            _ => unreachable!("a session always matches its model's device"),
         }
     };
 }
@@ -160,8 +182,11 @@ impl Model {
         }
         let file = ModelFile::open(path.as_ref())?;
         let choice = device::select(Device::resolve(options.device)?)?;
+        let mut notes = Vec::new();
+        let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
-            device::Selected::Cpu => {
+            device::Selected::Cpu { note } => {
+                notes.extend(note);
                 let backend = CpuBackend;
                 let weights = Weights::load(&backend, &file, options.max_seq_len)?;
                 let bytes = weights.bytes;
@@ -171,6 +196,23 @@ impl Model {
                     bytes,
                 )
             }
+            device::Selected::Cuda(backend) => {
+                let backend = *backend;
+                let upload = Instant::now();
+                let weights = Weights::load(&backend, &file, options.max_seq_len)?;
+                let fit = backend.finish_load(&weights)?;
+                let upload_ms = upload.elapsed().as_secs_f64() * 1e3;
+                let (note, ms) = backend.kernel_load();
+                notes.push(format!("kernels: {note}"));
+                notes.push(format!(
+                    "weights uploaded in {upload_ms:.1} ms ({:.1} GB/s); {fit}",
+                    weights.bytes as f64 / upload_ms / 1e6
+                ));
+                (kernels, kernel_ms) = (Some(note.to_string()), ms);
+                let bytes = weights.bytes;
+                let name = backend.describe();
+                (Engine::Cuda(Loaded { backend, weights }), name, bytes)
+            }
         };
         let info = ModelInfo {
             device: device_name,
@@ -178,6 +220,8 @@ impl Model {
             file_bytes: file.file_len(),
             weight_bytes,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
+            kernels,
+            kernel_ms,
             metadata: file.metadata.clone(),
         };
         if options.log {
@@ -189,6 +233,9 @@ impl Model {
                 info.weight_bytes as f64 / 1e6,
                 info.load_ms
             );
+            for note in &notes {
+                eprintln!("[tinyloop]   {note}");
+            }
         }
         Ok(Model {
             shared: Arc::new(Shared {
@@ -203,6 +250,7 @@ impl Model {
     pub fn config(&self) -> &ModelConfig {
         match &self.shared.engine {
             Engine::Cpu(l) => &l.weights.config,
+            Engine::Cuda(l) => &l.weights.config,
         }
     }
 
@@ -234,6 +282,26 @@ impl Model {
                 rows,
                 opts.max_seq_len,
             )?),
+            Engine::Cuda(l) => {
+                let config = &l.weights.config;
+                let backend = l.backend.session(config)?;
+                let buffers = Buffers::new(&backend, config, rows, opts.max_seq_len)?;
+                if opts.log {
+                    let kv = config.applications(config.default_loops)
+                        * opts.max_seq_len
+                        * config.kv_dim()
+                        * 4;
+                    eprintln!(
+                        "[tinyloop] session on {}: buffers {:.1} MB for {rows} rows, KV cache \
+                         {:.1} MB at L={} (allocated at first use)",
+                        backend.describe(),
+                        (buffers.bytes + backend.own_bytes()) as f64 / 1e6,
+                        kv as f64 / 1e6,
+                        config.default_loops
+                    );
+                }
+                SessionState::Cuda(CudaSession { buffers, backend })
+            }
         };
         let mut session = Session {
             shared: self.shared.clone(),
@@ -270,6 +338,7 @@ impl Session {
     pub fn config(&self) -> &ModelConfig {
         match &self.shared.engine {
             Engine::Cpu(l) => &l.weights.config,
+            Engine::Cuda(l) => &l.weights.config,
         }
     }
 
@@ -353,6 +422,9 @@ impl Session {
     pub fn memory_bytes(&self) -> usize {
         match &self.state {
             SessionState::Cpu(buf) => buf.bytes + buf.kv_bytes(&CpuBackend),
+            SessionState::Cuda(s) => {
+                s.buffers.bytes + s.buffers.kv_bytes(&s.backend) + s.backend.own_bytes()
+            }
         }
     }
 

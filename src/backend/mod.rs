@@ -9,12 +9,13 @@
 //! * RoPE uses the host-computed table of [`rope_table`].
 
 pub mod cpu;
+pub mod cuda;
 
 use half::f16;
 
 use crate::error::Result;
-use crate::model::config::NormKind;
 use crate::format::DType;
+use crate::model::config::NormKind;
 use crate::model::quant::QuantizedMatrix;
 
 /// A linear weight `[rows, cols]` as stored in the file (docs/FORMAT.md encodings), before upload.
@@ -31,7 +32,13 @@ pub struct HostLinear<'a> {
 
 impl HostLinear<'_> {
     pub fn to_quantized(&self) -> QuantizedMatrix {
-        QuantizedMatrix::from_bytes(self.dtype, self.rows, self.cols, self.group_size, self.bytes)
+        QuantizedMatrix::from_bytes(
+            self.dtype,
+            self.rows,
+            self.cols,
+            self.group_size,
+            self.bytes,
+        )
     }
 }
 
@@ -166,6 +173,54 @@ pub trait Backend: Send + Sync + Sized + 'static {
             &self.read_float(x, offset, len)?,
         ))
     }
+
+    // Decode graphs and the device-side greedy choice (model/forward.rs `decode_step`). The
+    // defaults capture nothing and compute the argmax when it is asked for, so a backend without
+    // graphs runs the same ops eagerly.
+
+    /// Launch the graph captured for `key` in this step's session; false when there is none
+    /// (the caller then issues the ops itself).
+    fn graph_replay(&self, _step: &mut Self::Step, _key: u64) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Start capturing the ops that follow into a graph for `key`; false when this backend does
+    /// not capture (the ops then run as they are issued).
+    fn graph_begin(&self, _step: &mut Self::Step, _key: u64) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Finish the capture begun by [`Backend::graph_begin`], keep the graph for `key`, and launch
+    /// it once (captured work does not run while it is captured).
+    fn graph_end(&self, _step: &mut Self::Step, _key: u64) -> Result<()> {
+        Ok(())
+    }
+
+    /// Drop this step's graphs (a buffer they use was reallocated).
+    fn graph_reset(&self, _step: &mut Self::Step) {}
+
+    /// Enqueue the argmax of `len` values at `offset` into a slot of the step, so that it can be
+    /// part of a captured graph; read it with [`Backend::argmax_result`].
+    fn argmax_enqueue(
+        &self,
+        _x: &Self::Float,
+        _offset: usize,
+        _len: usize,
+        _step: &mut Self::Step,
+    ) {
+    }
+
+    /// The argmax enqueued by [`Backend::argmax_enqueue`] (waits for the device). The default
+    /// computes it now with [`Backend::argmax`].
+    fn argmax_result(
+        &self,
+        x: &Self::Float,
+        offset: usize,
+        len: usize,
+        _step: &Self::Step,
+    ) -> Result<u32> {
+        self.argmax(x, offset, len)
+    }
 }
 
 /// Head geometry that attention kernels need.
@@ -190,12 +245,12 @@ impl AttentionShape {
 
 /// RoPE table `[positions, head_dim / 2, 2]` of (cos, sin), computed in f64 and rounded to f32,
 /// with frequency `theta^(-2i / head_dim)` for pair i. Pairs rotate (x[i], x[i + head_dim/2]).
-pub fn rope_table(positions: usize, head_dim: usize, theta: f32) -> Vec<f32> {
+pub fn rope_table(positions: usize, head_dim: usize, theta: f64) -> Vec<f32> {
     let half = head_dim / 2;
     let mut table = Vec::with_capacity(positions * half * 2);
     for pos in 0..positions {
         for i in 0..half {
-            let freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
             let angle = pos as f64 * freq;
             table.push(angle.cos() as f32);
             table.push(angle.sin() as f32);

@@ -1,1 +1,553 @@
-fn main() {}
+//! The `tinyloop` command line: `tinyloop MODEL COMMAND ...` or `tinyloop synth ...`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+use tinyloop::model::synth;
+use tinyloop::{Device, Error, GenerateParams, Model, ModelOptions, Result, SamplingParams};
+
+#[derive(Parser)]
+#[command(
+    name = "tinyloop",
+    version,
+    about = "Run looped transformers stored as .tinyloop files",
+    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH"
+)]
+struct ModelCli {
+    /// Path to a .tinyloop file.
+    model: PathBuf,
+    #[command(subcommand)]
+    command: ModelCommand,
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Print the architecture and tensor statistics.
+    Info {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate tokens after a prompt.
+    Generate(GenerateArgs),
+    /// Mean negative log-likelihood (nats/token) and perplexity of a text.
+    Score(ScoreArgs),
+    /// Measure load time, prefill throughput and decode latency.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct CommonArgs {
+    /// auto, cpu, cuda or cuda:N (default: TINYLOOP_DEVICE, else auto).
+    #[arg(long)]
+    device: Option<Device>,
+    /// Loop iterations (default: the model's default_loops).
+    #[arg(long)]
+    loops: Option<usize>,
+    /// Upper bound on prompt + generated tokens.
+    #[arg(long, default_value_t = 2048)]
+    max_seq_len: usize,
+    /// Print machine-readable JSON.
+    #[arg(long)]
+    json: bool,
+    /// Silence the load log.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Prompt text (byte-level models only).
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    tokens: Option<Vec<i64>>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Text to score (byte-level models only).
+    #[arg(long, group = "input")]
+    text: Option<String>,
+    /// File whose bytes are scored (byte-level models only).
+    #[arg(long, group = "input")]
+    file: Option<PathBuf>,
+    /// Token ids, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        allow_negative_numbers = true,
+        group = "input"
+    )]
+    tokens: Option<Vec<i64>>,
+    /// Tokens per scored window; long inputs are split into independent windows.
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 64)]
+    gen_len: usize,
+    /// Timed repetitions; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+}
+
+#[derive(Parser)]
+#[command(name = "tinyloop", version)]
+struct ToolCli {
+    #[command(subcommand)]
+    command: ToolCommand,
+}
+
+#[derive(Subcommand)]
+enum ToolCommand {
+    /// Write a deterministic random-weight model.
+    Synth {
+        /// One of: tiny, small, tl-407m, tiny-gqa, tiny-tied.
+        #[arg(long)]
+        preset: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Bit width of block weights: 4, 2 or 16.
+        #[arg(long, default_value_t = 4)]
+        bits: u32,
+        /// Quantization group size; 0 means one group per row.
+        #[arg(long, default_value_t = 128)]
+        group_size: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Convert a safetensors checkpoint (+ config JSON) to .tinyloop.
+    Convert(ConvertArgs),
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// Checkpoint with the tensor names of docs/FORMAT.md (F32, F16 or BF16).
+    #[arg(long)]
+    safetensors: PathBuf,
+    /// JSON file holding the `config` object of docs/FORMAT.md.
+    #[arg(long)]
+    config: PathBuf,
+    #[arg(long)]
+    out: PathBuf,
+    /// Bit width of block weights: 16, 4 or 2.
+    #[arg(long, default_value_t = 4)]
+    bits: u32,
+    /// Quantization group size; 0 means one group per row.
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// rtn (round to nearest) or gptq.
+    #[arg(long, default_value = "rtn")]
+    method: String,
+    /// Calibration text for GPTQ (byte-level models).
+    #[arg(long)]
+    calib: Option<PathBuf>,
+    /// Use at most this many bytes of the calibration text.
+    #[arg(long, default_value_t = 32768)]
+    calib_bytes: usize,
+    /// Loop iterations while calibrating (default: the config's default_loops).
+    #[arg(long)]
+    calib_loops: Option<usize>,
+    /// Tokens per calibration window.
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// Tokenizer name stored in the metadata (default: "bytes" for vocab 256).
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// Free-form provenance stored as metadata.source.
+    #[arg(long)]
+    source: Option<String>,
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let is_tool = matches!(args.get(1).map(String::as_str), Some("synth" | "convert"));
+    let result = if is_tool {
+        run_tool(ToolCli::parse_from(&args))
+    } else {
+        run_model(ModelCli::parse_from(&args))
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_tool(cli: ToolCli) -> Result<()> {
+    match cli.command {
+        ToolCommand::Synth {
+            preset,
+            seed,
+            bits,
+            group_size,
+            out,
+        } => {
+            let config = synth::preset(&preset)?;
+            synth::random_model(&config, seed, bits, group_size)?.write(&out)?;
+            eprintln!(
+                "wrote {} ({preset}, seed {seed}, {bits}-bit)",
+                out.display()
+            );
+            Ok(())
+        }
+        ToolCommand::Convert(args) => convert(args),
+    }
+}
+
+fn convert(args: ConvertArgs) -> Result<()> {
+    use tinyloop::convert::{ConvertOptions, Method};
+    let method = match args.method.as_str() {
+        "rtn" => Method::Rtn,
+        "gptq" => Method::Gptq,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown method {other:?} (expected rtn or gptq)"
+            )))
+        }
+    };
+    let calibration = match &args.calib {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| Error::Io {
+                path: path.clone(),
+                source: e,
+            })?;
+            bytes
+                .iter()
+                .take(args.calib_bytes)
+                .map(|&b| b as u32)
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    let mut metadata = serde_json::Map::new();
+    if let Some(t) = &args.tokenizer {
+        metadata.insert("tokenizer".into(), json!(t));
+    }
+    if let Some(s) = &args.source {
+        metadata.insert("source".into(), json!(s));
+    }
+    let opts = ConvertOptions {
+        safetensors: args.safetensors,
+        config: args.config,
+        out: args.out.clone(),
+        bits: args.bits,
+        group_size: args.group_size,
+        method,
+        calibration,
+        calibration_loops: args.calib_loops,
+        window: args.window,
+        metadata,
+        progress: true,
+    };
+    tinyloop::convert::convert(&opts)?;
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+fn run_model(cli: ModelCli) -> Result<()> {
+    match cli.command {
+        ModelCommand::Info { json } => info(&cli.model, json),
+        ModelCommand::Generate(args) => generate(&cli.model, args),
+        ModelCommand::Score(args) => score(&cli.model, args),
+        ModelCommand::Bench(args) => bench(&cli.model, args),
+    }
+}
+
+fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
+    let options = ModelOptions {
+        max_seq_len: common.max_seq_len,
+        device: common.device,
+        log: !common.quiet && !common.json,
+        ..ModelOptions::default()
+    };
+    Model::open(path, &options)
+}
+
+fn is_byte_level(model: &Model) -> bool {
+    model.config().vocab_size == 256
+}
+
+fn text_tokens(model: &Model, text: &[u8], flag: &str) -> Result<Vec<u32>> {
+    if !is_byte_level(model) {
+        return Err(Error::InvalidArgument(format!(
+            "{flag} needs a byte-level model (vocab_size 256); pass --tokens instead"
+        )));
+    }
+    Ok(text.iter().map(|&b| b as u32).collect())
+}
+
+fn parse_tokens(ids: &[i64]) -> Result<Vec<u32>> {
+    ids.iter()
+        .map(|&t| {
+            u32::try_from(t).map_err(|_| {
+                Error::InvalidArgument(format!("token id {t} is negative or too large"))
+            })
+        })
+        .collect()
+}
+
+fn info(path: &PathBuf, json: bool) -> Result<()> {
+    let file = tinyloop::ModelFile::open(path)?;
+    let c = &file.config;
+    let mut by_dtype = std::collections::BTreeMap::<&str, (usize, u64)>::new();
+    for t in file.tensor_entries() {
+        let e = by_dtype.entry(t.dtype.name()).or_default();
+        e.0 += 1;
+        e.1 += t.length;
+    }
+    let config = serde_json::to_value(c).expect("config serializes");
+    if json {
+        let dtypes: serde_json::Map<_, _> = by_dtype
+            .iter()
+            .map(|(k, (n, b))| (k.to_string(), json!({"tensors": n, "bytes": b})))
+            .collect();
+        let out = json!({
+            "config": config,
+            "tensors": file.tensor_entries().count(),
+            "file_bytes": file.file_len(),
+            "dtypes": dtypes,
+            "metadata": file.metadata,
+        });
+        println!("{out}");
+        return Ok(());
+    }
+    println!("{}", path.display());
+    for (key, value) in config.as_object().expect("config is an object") {
+        println!("  {key:<17} {value}");
+    }
+    println!("  tensors           {}", file.tensor_entries().count());
+    for (dtype, (n, bytes)) in &by_dtype {
+        println!(
+            "    {dtype:<5} {n:>4} tensors {:>10.2} MB",
+            *bytes as f64 / 1e6
+        );
+    }
+    println!("  file size         {:.2} MB", file.file_len() as f64 / 1e6);
+    for (key, value) in &file.metadata {
+        println!("  metadata.{key} = {value}");
+    }
+    Ok(())
+}
+
+fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
+    let model = open(path, &args.common)?;
+    let prompt = match (&args.prompt, &args.tokens) {
+        (Some(text), _) => text_tokens(&model, text.as_bytes(), "--prompt")?,
+        (None, Some(ids)) => parse_tokens(ids)?,
+        (None, None) => unreachable!("clap requires --prompt or --tokens"),
+    };
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        loops: args.common.loops,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        stop_tokens: Vec::new(),
+    };
+    let mut session = model.new_session()?;
+    let byte_level = is_byte_level(&model);
+    if args.common.json {
+        let tokens = session.generate(&prompt, &params)?;
+        let text = byte_level.then(|| decode_bytes(&tokens));
+        println!("{}", json!({"tokens": tokens, "text": text}));
+        return Ok(());
+    }
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if byte_level {
+        stdout.write_all(&decode_bytes(&prompt).into_bytes()).ok();
+    }
+    // Bytes of a multi-byte character arrive one token at a time; print whole characters.
+    let mut pending = Vec::new();
+    let tokens = session.generate_stream(&prompt, &params, &mut |t| {
+        if byte_level {
+            pending.push(t as u8);
+            if std::str::from_utf8(&pending).is_ok() || pending.len() >= 4 {
+                stdout
+                    .write_all(String::from_utf8_lossy(&pending).as_bytes())
+                    .ok();
+                stdout.flush().ok();
+                pending.clear();
+            }
+        } else {
+            write!(stdout, "{t} ").ok();
+        }
+        true
+    })?;
+    stdout
+        .write_all(String::from_utf8_lossy(&pending).as_bytes())
+        .ok();
+    writeln!(stdout).ok();
+    if !args.common.quiet {
+        eprintln!("[tinyloop] generated {} tokens", tokens.len());
+    }
+    Ok(())
+}
+
+fn decode_bytes(tokens: &[u32]) -> String {
+    let bytes: Vec<u8> = tokens.iter().map(|&t| t as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
+    let model = open(path, &args.common)?;
+    let tokens = match (&args.text, &args.file, &args.tokens) {
+        (Some(text), _, _) => text_tokens(&model, text.as_bytes(), "--text")?,
+        (_, Some(file), _) => {
+            let bytes = std::fs::read(file).map_err(|e| Error::Io {
+                path: file.clone(),
+                source: e,
+            })?;
+            text_tokens(&model, &bytes, "--file")?
+        }
+        (_, _, Some(ids)) => parse_tokens(ids)?,
+        _ => {
+            return Err(Error::InvalidArgument(
+                "pass --text, --file or --tokens".into(),
+            ))
+        }
+    };
+    if args.window < 2 {
+        return Err(Error::InvalidArgument("--window must be >= 2".into()));
+    }
+    let mut session = model.new_session()?;
+    let (mut nll, mut count) = (0f64, 0usize);
+    for window in tokens.chunks(args.window) {
+        if window.len() < 2 {
+            continue;
+        }
+        let logprobs = session.logprobs(window, args.common.loops)?;
+        nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
+        count += logprobs.len();
+    }
+    if count == 0 {
+        return Err(Error::InvalidArgument(
+            "need at least 2 tokens to score".into(),
+        ));
+    }
+    let mean = nll / count as f64;
+    let loops = args.common.loops.unwrap_or(model.config().default_loops);
+    if args.common.json {
+        println!(
+            "{}",
+            json!({"nll": mean, "ppl": mean.exp(), "tokens": count, "loops": loops})
+        );
+    } else {
+        println!(
+            "nll {mean:.4} nats/token  ppl {:.3}  ({count} predicted tokens, loops {loops})",
+            mean.exp()
+        );
+    }
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
+    if args.prompt_len == 0 || args.gen_len < 2 || args.repeats == 0 {
+        return Err(Error::InvalidArgument(
+            "--prompt-len must be >= 1, --gen-len >= 2 and --repeats >= 1".into(),
+        ));
+    }
+    let common = CommonArgs {
+        max_seq_len: args.common.max_seq_len.max(args.prompt_len + args.gen_len),
+        ..args.common
+    };
+    let start = Instant::now();
+    let model = open(path, &common)?;
+    let load_ms = start.elapsed().as_secs_f64() * 1e3;
+    let vocab = model.config().vocab_size as u32;
+    // A fixed pseudo-random prompt: benchmarks must not depend on a text file.
+    let prompt: Vec<u32> = (0..args.prompt_len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab)
+        .collect();
+    let mut session = model.new_session()?;
+    let params = GenerateParams {
+        max_tokens: args.gen_len,
+        loops: common.loops,
+        ..GenerateParams::default()
+    };
+    // One generation yields both numbers: the first token arrives after the prefill (and one
+    // head evaluation); the gaps between later tokens are decode steps.
+    let mut run = |session: &mut tinyloop::Session| -> Result<(f64, f64)> {
+        let start = Instant::now();
+        let mut stamps = Vec::with_capacity(args.gen_len);
+        session.generate_stream(&prompt, &params, &mut |_| {
+            stamps.push(start.elapsed().as_secs_f64() * 1e3);
+            true
+        })?;
+        let decode = (stamps[stamps.len() - 1] - stamps[0]) / (stamps.len() - 1) as f64;
+        Ok((stamps[0], decode))
+    };
+    run(&mut session)?; // warm-up: caches, lazily sized buffers
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for _ in 0..args.repeats {
+        let (first, per_token) = run(&mut session)?;
+        prefill.push(first);
+        decode.push(per_token);
+    }
+    let prefill_ms = median(prefill);
+    let decode_ms = median(decode);
+    let loops = common.loops.unwrap_or(model.config().default_loops);
+    let report = json!({
+        "device": model.info().device,
+        "loops": loops,
+        "load_ms": load_ms,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "prefill_ms": prefill_ms,
+        "prefill_tokens_per_s": args.prompt_len as f64 / prefill_ms * 1e3,
+        "decode_ms_per_token": decode_ms,
+        "decode_tokens_per_s": 1e3 / decode_ms,
+        "memory_mb": model.memory_bytes() as f64 / 1e6,
+        "repeats": args.repeats,
+    });
+    if common.json {
+        println!("{report}");
+    } else {
+        println!(
+            "device {}  loops {loops}\n  load            {load_ms:>10.1} ms\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB",
+            model.info().device,
+            args.prompt_len,
+            args.prompt_len as f64 / prefill_ms * 1e3,
+            1e3 / decode_ms,
+            model.memory_bytes() as f64 / 1e6
+        );
+    }
+    Ok(())
+}

@@ -108,7 +108,9 @@ impl TensorEntry {
                         self.shape
                     ));
                 };
-                let g = self.group_size.ok_or("quantized tensor has no group_size")?;
+                let g = self
+                    .group_size
+                    .ok_or("quantized tensor has no group_size")?;
                 if g == 0 || cols % g != 0 {
                     return Err(format!("group_size {g} does not divide {cols} columns"));
                 }

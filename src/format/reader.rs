@@ -157,7 +157,7 @@ fn check_entry(entry: &TensorEntry, data_len: u64) -> Result<()> {
             entry.shape
         )));
     }
-    if entry.offset % super::ALIGNMENT != 0 {
+    if !entry.offset.is_multiple_of(super::ALIGNMENT) {
         return Err(Error::format(format!(
             "tensor {name}: offset {} is not {}-byte aligned",
             entry.offset,
@@ -174,18 +174,15 @@ fn check_entry(entry: &TensorEntry, data_len: u64) -> Result<()> {
     Ok(())
 }
 
-fn check_against_layout(config: &ModelConfig, tensors: &HashMap<String, TensorEntry>) -> Result<()> {
+fn check_against_layout(
+    config: &ModelConfig,
+    tensors: &HashMap<String, TensorEntry>,
+) -> Result<()> {
     let expected = expected_tensors(config);
     for spec in &expected {
         let entry = tensors
             .get(&spec.name)
             .ok_or_else(|| Error::format(format!("missing tensor {}", spec.name)))?;
-        if entry.shape != spec.shape {
-            return Err(Error::format(format!(
-                "shape mismatch in tensor {}: file has {:?}, config implies {:?}",
-                spec.name, entry.shape, spec.shape
-            )));
-        }
         let dtype_ok = match spec.role {
             TensorRole::Vector | TensorRole::Table => entry.dtype == DType::F16,
             TensorRole::Linear => entry.dtype != DType::F32,
@@ -196,6 +193,12 @@ fn check_against_layout(config: &ModelConfig, tensors: &HashMap<String, TensorEn
                 spec.name,
                 entry.dtype.name(),
                 spec.role.describe()
+            )));
+        }
+        if entry.shape != spec.shape {
+            return Err(Error::format(format!(
+                "shape mismatch in tensor {}: file has {:?}, config implies {:?}",
+                spec.name, entry.shape, spec.shape
             )));
         }
     }

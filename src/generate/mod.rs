@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::{Backend, StepInput};
 use crate::error::{Error, Result};
-use crate::model::forward::{final_norm, forward, logits, Buffers, LOGIT_ROWS};
+use crate::model::forward::{
+    decode_step, final_norm, forward, greedy_token, logits, Buffers, LOGIT_ROWS,
+};
 use crate::model::weights::Weights;
 use sampling::{sample, Rng, SamplingParams};
 
@@ -34,7 +36,16 @@ fn prefill<B: Backend>(
     let mut last_rows = 0;
     for (i, chunk) in tokens.chunks(buf.max_rows).enumerate() {
         let start = start_pos + i * buf.max_rows;
-        forward(backend, w, buf, StepInput { tokens: chunk, start_pos: start }, loops)?;
+        forward(
+            backend,
+            w,
+            buf,
+            StepInput {
+                tokens: chunk,
+                start_pos: start,
+            },
+            loops,
+        )?;
         last_rows = chunk.len();
     }
     Ok(last_rows - 1)
@@ -89,15 +100,12 @@ pub fn generate<B: Backend>(
         if !on_token(next) || out.len() == req.max_tokens {
             break;
         }
-        let step = [next];
-        forward(backend, w, buf, StepInput { tokens: &step, start_pos: pos }, req.loops)?;
+        decode_step(backend, w, buf, next, pos, req.loops)?;
         pos += 1;
         next = if req.sampling.is_greedy() {
-            final_norm(backend, w, buf, 1);
-            logits(backend, w, buf, 0, 1);
-            backend.argmax(&buf.logits, 0, vocab)?
+            greedy_token(backend, w, buf)?
         } else {
-            let row = row_logits(backend, w, buf, 1, 0)?;
+            let row = backend.read_float(&buf.logits, 0, vocab)?;
             sample(&row, &req.sampling, &mut rng)
         };
     }
@@ -114,7 +122,16 @@ pub fn score<B: Backend>(
 ) -> Result<Vec<f32>> {
     let vocab = w.config.vocab_size;
     let n = tokens.len();
-    forward(backend, w, buf, StepInput { tokens, start_pos: 0 }, loops)?;
+    forward(
+        backend,
+        w,
+        buf,
+        StepInput {
+            tokens,
+            start_pos: 0,
+        },
+        loops,
+    )?;
     final_norm(backend, w, buf, n);
     let mut out = Vec::with_capacity(n * vocab);
     for first in (0..n).step_by(LOGIT_ROWS) {
@@ -134,7 +151,16 @@ pub fn score_last<B: Backend>(
     loops: usize,
 ) -> Result<Vec<f32>> {
     let n = tokens.len();
-    forward(backend, w, buf, StepInput { tokens, start_pos: 0 }, loops)?;
+    forward(
+        backend,
+        w,
+        buf,
+        StepInput {
+            tokens,
+            start_pos: 0,
+        },
+        loops,
+    )?;
     row_logits(backend, w, buf, n, n - 1)
 }
 
@@ -146,7 +172,12 @@ pub fn logprobs_from_logits(logits: &[f32], tokens: &[u32], vocab: usize) -> Vec
         .map(|(i, pair)| {
             let row = &logits[i * vocab..(i + 1) * vocab];
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
+            let lse = row
+                .iter()
+                .map(|&v| (v as f64 - max).exp())
+                .sum::<f64>()
+                .ln()
+                + max;
             (row[pair[1] as usize] as f64 - lse) as f32
         })
         .collect()

@@ -36,8 +36,8 @@ pub struct ModelConfig {
     pub n_post_blocks: usize,
     pub default_loops: usize,
     pub norm: NormKind,
-    pub norm_eps: f32,
-    pub rope_theta: f32,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
     pub max_position: usize,
     pub head: HeadKind,
 }
@@ -77,19 +77,19 @@ impl ModelConfig {
                 return fail(format!("{name} must be > 0"));
             }
         }
-        if self.dim % self.n_heads != 0 {
+        if !self.dim.is_multiple_of(self.n_heads) {
             return fail(format!(
                 "dim {} is not divisible by n_heads {}",
                 self.dim, self.n_heads
             ));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return fail(format!(
                 "n_heads {} is not divisible by n_kv_heads {}",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return fail(format!(
                 "head_dim {} must be even for RoPE",
                 self.head_dim()

@@ -75,6 +75,7 @@ impl<B: Backend> Buffers<B> {
     /// Make sure the KV cache has `slots` slots; grows (and clears) it when it has fewer.
     pub fn reserve_kv(&mut self, backend: &B, config: &ModelConfig, slots: usize) -> Result<()> {
         if self.kv.is_none() || self.kv_slots < slots {
+            backend.graph_reset(&mut self.step); // captured graphs point at the old cache
             self.kv = None; // release the old cache before allocating the larger one
             self.kv = Some(backend.alloc_kv(slots, self.kv_capacity, config.kv_dim())?);
             self.kv_slots = slots;
@@ -90,6 +91,20 @@ impl<B: Backend> Buffers<B> {
 /// Run one step through every block application; afterwards the residual stream of each row is
 /// in the buffers, ready for [`logits`].
 pub fn forward<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    loops: usize,
+) -> Result<()> {
+    let rows = input.tokens.len();
+    stage(backend, w, buf, input, loops)?;
+    step_ops(backend, w, buf, rows, loops);
+    Ok(())
+}
+
+/// Validate a step, make room in the KV cache, and stage its tokens and position.
+fn stage<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
@@ -112,8 +127,17 @@ pub fn forward<B: Backend>(
         )));
     }
     buf.reserve_kv(backend, config, config.applications(loops))?;
-    backend.set_step(&mut buf.step, input)?;
+    backend.set_step(&mut buf.step, input)
+}
 
+/// The ops of a staged step: embedding, then every block application.
+fn step_ops<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    loops: usize,
+) {
     match &w.embed_proj {
         None => backend.embed(&w.embed, &buf.step, &mut buf.x),
         Some(proj) => {
@@ -121,10 +145,57 @@ pub fn forward<B: Backend>(
             backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
         }
     }
-    for (slot, block) in schedule(config, loops).enumerate() {
-        block_forward(backend, config, &w.blocks[block], &w.rope, buf, rows, slot);
+    for (slot, block) in schedule(&w.config, loops).enumerate() {
+        block_forward(
+            backend,
+            &w.config,
+            &w.blocks[block],
+            &w.rope,
+            buf,
+            rows,
+            slot,
+        );
+    }
+}
+
+/// One decode step: feed `token` at `pos`, leave its logits in `buf.logits` row 0 and enqueue
+/// the greedy choice (read it with [`greedy_token`]).
+///
+/// After `set_step`, the ops depend only on `loops` (kernels read the token and position staged
+/// in device memory), so a backend with graphs captures them once per loop count and replays.
+pub fn decode_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    token: u32,
+    pos: usize,
+    loops: usize,
+) -> Result<()> {
+    let tokens = [token];
+    let input = StepInput {
+        tokens: &tokens,
+        start_pos: pos,
+    };
+    // Validation, KV reservation and staging happen outside any graph.
+    let key = loops as u64;
+    stage(backend, w, buf, input, loops)?;
+    if backend.graph_replay(&mut buf.step, key)? {
+        return Ok(());
+    }
+    let capturing = backend.graph_begin(&mut buf.step, key)?;
+    step_ops(backend, w, buf, 1, loops);
+    final_norm(backend, w, buf, 1);
+    logits(backend, w, buf, 0, 1);
+    backend.argmax_enqueue(&buf.logits, 0, w.config.vocab_size, &mut buf.step);
+    if capturing {
+        backend.graph_end(&mut buf.step, key)?;
     }
     Ok(())
+}
+
+/// The greedy token of the last [`decode_step`] (waits for the device).
+pub fn greedy_token<B: Backend>(backend: &B, w: &Weights<B>, buf: &Buffers<B>) -> Result<u32> {
+    backend.argmax_result(&buf.logits, 0, w.config.vocab_size, &buf.step)
 }
 
 fn block_forward<B: Backend>(
@@ -174,7 +245,7 @@ fn norm<B: Backend>(
 ) {
     backend.norm(
         config.norm,
-        config.norm_eps,
+        config.norm_eps as f32,
         x,
         rows,
         &n.weight,

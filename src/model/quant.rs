@@ -100,12 +100,12 @@ pub fn resolve_group_size(dtype: DType, cols: usize, group_size: usize) -> Resul
         group_size.min(cols)
     };
     let per_byte = 8 / dtype.bits() as usize;
-    if cols % g != 0 {
+    if !cols.is_multiple_of(g) {
         return Err(Error::invalid(format!(
             "group size {g} does not divide {cols} columns"
         )));
     }
-    if cols % per_byte != 0 {
+    if !cols.is_multiple_of(per_byte) {
         return Err(Error::invalid(format!(
             "{cols} columns cannot be packed {per_byte} codes per byte"
         )));

@@ -60,7 +60,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         },
         "tiny-gqa" => ModelConfig {
             n_kv_heads: 2,
-            ffn_dim: 192,
+            ffn_dim: 128,
             embed_factor_dim: 32,
             n_pre_blocks: 1,
             n_loop_blocks: 2,
@@ -149,7 +149,9 @@ fn random_values(name: &str, shape: &[u64], role: TensorRole, rng: &mut Rng) -> 
         ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
     };
     match role {
-        TensorRole::Vector if name.ends_with(".bias") => (0..len).map(|_| 0.05 * normal()).collect(),
+        TensorRole::Vector if name.ends_with(".bias") => {
+            (0..len).map(|_| 0.05 * normal()).collect()
+        }
         TensorRole::Vector => (0..len).map(|_| 1.0 + 0.1 * normal()).collect(),
         TensorRole::Table => (0..len).map(|_| normal()).collect(),
         TensorRole::Linear => {

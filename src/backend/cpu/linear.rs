@@ -94,13 +94,18 @@ impl CpuLinear {
                 let mask = (1u8 << bits) - 1;
                 let row_codes = &codes[n * cols / per_byte..(n + 1) * cols / per_byte];
                 let groups = cols / group_size;
-                for (g, chunk) in out.chunks_exact_mut(*group_size).enumerate() {
+                let group_codes = row_codes.chunks_exact(group_size / per_byte);
+                for (g, (chunk, bytes)) in out
+                    .chunks_exact_mut(*group_size)
+                    .zip(group_codes)
+                    .enumerate()
+                {
                     let (s, z) = (scales[n * groups + g], zeros[n * groups + g]);
-                    let first = g * group_size;
-                    for (i, o) in chunk.iter_mut().enumerate() {
-                        let c = first + i;
-                        let q = (row_codes[c / per_byte] >> ((c % per_byte) * bits)) & mask;
-                        *o = s * q as f32 + z;
+                    // Each byte expands to `per_byte` consecutive columns, lowest bits first.
+                    for (values, &byte) in chunk.chunks_exact_mut(per_byte).zip(bytes) {
+                        for (j, v) in values.iter_mut().enumerate() {
+                            *v = s * ((byte >> (j * bits)) & mask) as f32 + z;
+                        }
                     }
                 }
             }

@@ -165,7 +165,12 @@ impl Backend for CpuBackend {
         accumulate: bool,
     ) {
         let k = w.cols();
-        w.matmul(&x[first_row * k..(first_row + rows) * k], rows, out, accumulate);
+        w.matmul(
+            &x[first_row * k..(first_row + rows) * k],
+            rows,
+            out,
+            accumulate,
+        );
     }
 
     fn mlp_gate_up(

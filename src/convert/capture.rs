@@ -1,0 +1,227 @@
+//! A backend that runs the CPU reference and records, for every linear weight, the second moment
+//! `H = Σ x xᵀ` of the inputs it sees: the statistic GPTQ needs. Running calibration text through
+//! the ordinary forward pass with this backend covers every application of the shared loop body.
+
+use std::sync::Mutex;
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::backend::cpu::{CpuBackend, CpuKvCache, CpuLinear, CpuStep};
+use crate::backend::{AttentionShape, Backend, HostLinear, StepInput};
+use crate::error::Result;
+use crate::model::config::NormKind;
+
+/// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
+pub struct Hessian {
+    pub dim: usize,
+    pub rows: usize,
+    pub lower: Vec<f64>,
+}
+
+impl Hessian {
+    fn new(dim: usize) -> Hessian {
+        Hessian {
+            dim,
+            rows: 0,
+            lower: vec![0.0; dim * dim],
+        }
+    }
+
+    /// Add the rows of `x` (`rows × dim`, row-major).
+    fn add(&mut self, x: &[f32], rows: usize) {
+        let k = self.dim;
+        // Column-major copy so each H entry is a contiguous dot product over rows.
+        let mut columns = vec![0f32; k * rows];
+        for r in 0..rows {
+            for i in 0..k {
+                columns[i * rows + r] = x[r * k + i];
+            }
+        }
+        self.lower
+            .par_chunks_mut(k)
+            .enumerate()
+            .for_each(|(i, h_row)| {
+                let xi = &columns[i * rows..(i + 1) * rows];
+                for (j, h) in h_row.iter_mut().enumerate().take(i + 1) {
+                    let xj = &columns[j * rows..(j + 1) * rows];
+                    *h += xi.iter().zip(xj).map(|(a, b)| a * b).sum::<f32>() as f64;
+                }
+            });
+        self.rows += rows;
+    }
+
+    /// The full symmetric matrix, averaged over rows.
+    pub fn to_dense(&self) -> Vec<f64> {
+        let k = self.dim;
+        let n = self.rows.max(1) as f64;
+        let mut h = vec![0.0; k * k];
+        for i in 0..k {
+            for j in 0..=i {
+                let v = self.lower[i * k + j] / n;
+                h[i * k + j] = v;
+                h[j * k + i] = v;
+            }
+        }
+        h
+    }
+}
+
+pub struct CaptureLinear {
+    pub inner: CpuLinear,
+    pub hessian: Mutex<Hessian>,
+}
+
+impl CaptureLinear {
+    fn record(&self, x: &[f32], first_row: usize, rows: usize) {
+        let k = self.inner.cols();
+        let mut h = self.hessian.lock().expect("hessian lock is never poisoned");
+        h.add(&x[first_row * k..(first_row + rows) * k], rows);
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CaptureBackend;
+
+impl Backend for CaptureBackend {
+    type Float = Vec<f32>;
+    type Half = Vec<f32>;
+    type Linear = CaptureLinear;
+    type Vector = Vec<f32>;
+    type Step = CpuStep;
+    type KvCache = CpuKvCache;
+
+    fn describe(&self) -> String {
+        "cpu (calibration)".into()
+    }
+
+    fn upload_linear(&self, weight: &HostLinear) -> Result<CaptureLinear> {
+        Ok(CaptureLinear {
+            inner: CpuBackend.upload_linear(weight)?,
+            hessian: Mutex::new(Hessian::new(weight.cols)),
+        })
+    }
+
+    fn upload_vector(&self, values: &[f16]) -> Result<Vec<f32>> {
+        CpuBackend.upload_vector(values)
+    }
+
+    fn alloc_float(&self, len: usize) -> Result<Vec<f32>> {
+        CpuBackend.alloc_float(len)
+    }
+
+    fn alloc_half(&self, len: usize) -> Result<Vec<f32>> {
+        CpuBackend.alloc_half(len)
+    }
+
+    fn alloc_step(&self, max_rows: usize) -> Result<CpuStep> {
+        CpuBackend.alloc_step(max_rows)
+    }
+
+    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<CpuKvCache> {
+        CpuBackend.alloc_kv(slots, capacity, kv_dim)
+    }
+
+    fn linear_bytes(&self, w: &CaptureLinear) -> usize {
+        CpuBackend.linear_bytes(&w.inner)
+    }
+
+    fn kv_bytes(&self, kv: &CpuKvCache) -> usize {
+        CpuBackend.kv_bytes(kv)
+    }
+
+    fn set_step(&self, step: &mut CpuStep, input: StepInput) -> Result<()> {
+        CpuBackend.set_step(step, input)
+    }
+
+    fn embed(&self, table: &CaptureLinear, step: &CpuStep, out: &mut Vec<f32>) {
+        CpuBackend.embed(&table.inner, step, out)
+    }
+
+    fn embed_half(&self, table: &CaptureLinear, step: &CpuStep, out: &mut Vec<f32>) {
+        CpuBackend.embed_half(&table.inner, step, out)
+    }
+
+    fn norm(
+        &self,
+        kind: NormKind,
+        eps: f32,
+        x: &Vec<f32>,
+        rows: usize,
+        weight: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+    ) {
+        CpuBackend.norm(kind, eps, x, rows, weight, bias, out)
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        first_row: usize,
+        rows: usize,
+        w: &CaptureLinear,
+        out: &mut Vec<f32>,
+        accumulate: bool,
+    ) {
+        w.record(x, first_row, rows);
+        CpuBackend.linear(x, first_row, rows, &w.inner, out, accumulate)
+    }
+
+    fn mlp_gate_up(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        gate: &CaptureLinear,
+        up: &CaptureLinear,
+        gate_buf: &mut Vec<f32>,
+        up_buf: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
+        gate.record(x, 0, rows);
+        up.record(x, 0, rows);
+        CpuBackend.mlp_gate_up(x, rows, &gate.inner, &up.inner, gate_buf, up_buf, out)
+    }
+
+    fn rope_store_kv(
+        &self,
+        qkv: &mut Vec<f32>,
+        step: &CpuStep,
+        rows: usize,
+        heads: AttentionShape,
+        rope: &Vec<f32>,
+        kv: &mut CpuKvCache,
+        slot: usize,
+    ) {
+        CpuBackend.rope_store_kv(qkv, step, rows, heads, rope, kv, slot)
+    }
+
+    fn attention(
+        &self,
+        qkv: &Vec<f32>,
+        step: &CpuStep,
+        rows: usize,
+        heads: AttentionShape,
+        kv: &CpuKvCache,
+        slot: usize,
+        out: &mut Vec<f32>,
+    ) {
+        CpuBackend.attention(qkv, step, rows, heads, kv, slot, out)
+    }
+
+    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        CpuBackend.add(acc, x, len)
+    }
+
+    fn to_half(&self, x: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        CpuBackend.to_half(x, len, out)
+    }
+
+    fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
+        CpuBackend.read_float(x, offset, len)
+    }
+
+    fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {
+        CpuBackend.write_float(x, values)
+    }
+}

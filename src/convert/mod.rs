@@ -1,0 +1,299 @@
+//! `tinyloop convert`: a safetensors checkpoint (tensor names of docs/FORMAT.md) plus a config
+//! JSON → a `.tinyloop` file with block weights at f16, int4 or int2, by round-to-nearest or GPTQ.
+
+mod capture;
+pub mod gptq;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use half::f16;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::backend::StepInput;
+use crate::error::{Error, Result};
+use crate::format::{DType, FileWriter, ModelFile};
+use crate::model::config::ModelConfig;
+use crate::model::forward::{forward, Buffers};
+use crate::model::layout::{block_name, blocks, expected_tensors, TensorRole, BLOCK_LINEARS};
+use crate::model::quant::{quantize_rtn, LinearData};
+use crate::model::weights::Weights;
+use capture::CaptureBackend;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// Round to nearest, group by group.
+    Rtn,
+    /// GPTQ with input statistics from calibration text.
+    Gptq,
+}
+
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    pub safetensors: PathBuf,
+    pub config: PathBuf,
+    pub out: PathBuf,
+    /// 16, 4 or 2: the encoding of the five block linears. Everything else stays f16.
+    pub bits: u32,
+    /// 0 means one group per row.
+    pub group_size: usize,
+    pub method: Method,
+    /// Token ids GPTQ calibrates on (required for GPTQ).
+    pub calibration: Vec<u32>,
+    /// Loop iterations used while calibrating (default: the config's `default_loops`).
+    pub calibration_loops: Option<usize>,
+    /// Tokens per calibration window.
+    pub window: usize,
+    /// Free-form metadata copied into the file (for example `tokenizer`).
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    pub progress: bool,
+}
+
+/// A checkpoint tensor widened to f32.
+struct Tensor {
+    shape: Vec<usize>,
+    values: Vec<f32>,
+}
+
+pub fn convert(opts: &ConvertOptions) -> Result<()> {
+    let config = read_config(&opts.config)?;
+    let dtype = DType::from_bits(opts.bits)?;
+    let tensors = read_checkpoint(&opts.safetensors, &config)?;
+    let hessians = match (opts.method, dtype.is_quantized()) {
+        (Method::Gptq, true) => Some(calibrate(&config, &tensors, opts)?),
+        _ => None,
+    };
+
+    let mut writer = FileWriter::new(config.clone());
+    if config.vocab_size == 256 {
+        writer.set_metadata("tokenizer", serde_json::json!("bytes"));
+    }
+    for (key, value) in &opts.metadata {
+        writer.set_metadata(key, value.clone());
+    }
+    let method = match (opts.method, dtype.is_quantized()) {
+        (_, false) => "f16".to_string(),
+        (Method::Rtn, true) => format!("{} g{} rtn", dtype.name(), opts.group_size),
+        (Method::Gptq, true) => format!("{} g{} gptq", dtype.name(), opts.group_size),
+    };
+    writer.set_metadata("quantization", serde_json::json!(method));
+    let specs = expected_tensors(&config);
+    let mut progress = Progress::new(opts.progress, specs.len(), "convert");
+    for spec in &specs {
+        let t = &tensors[&spec.name];
+        let is_block_linear = spec.role == TensorRole::Linear && spec.name.contains('.');
+        if !is_block_linear || !dtype.is_quantized() {
+            let values: Vec<f16> = t.values.iter().map(|&v| f16::from_f32(v)).collect();
+            match spec.role {
+                TensorRole::Linear => {
+                    writer.add_linear(&spec.name, t.shape[0], t.shape[1], &LinearData::F16(values))
+                }
+                _ => writer.add_f16(&spec.name, &t.shape, &values),
+            }
+        } else {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let q = match &hessians {
+                Some(h) => gptq::quantize_gptq(
+                    &t.values,
+                    rows,
+                    cols,
+                    &h[&spec.name],
+                    dtype,
+                    opts.group_size,
+                )?,
+                None => quantize_rtn(&t.values, rows, cols, dtype, opts.group_size)?,
+            };
+            writer.add_linear(&spec.name, rows, cols, &LinearData::Quantized(q));
+        }
+        progress.step(&spec.name);
+    }
+    progress.finish();
+    writer.write(&opts.out)
+}
+
+fn read_config(path: &Path) -> Result<ModelConfig> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let config: ModelConfig = serde_json::from_str(&text)
+        .map_err(|e| Error::format(format!("config {}: {e}", path.display())))?;
+    config.validate()?;
+    Ok(config)
+}
+
+fn read_checkpoint(path: &Path, config: &ModelConfig) -> Result<HashMap<String, Tensor>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| Error::format(format!("safetensors {}: {e}", path.display())))?;
+    let specs = expected_tensors(config);
+    let mut out = HashMap::new();
+    for spec in &specs {
+        let view = st.tensor(&spec.name).map_err(|_| {
+            Error::format(format!(
+                "checkpoint {} has no tensor {} (docs/FORMAT.md lists the expected names)",
+                path.display(),
+                spec.name
+            ))
+        })?;
+        let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+        if shape != spec.shape {
+            return Err(Error::format(format!(
+                "tensor {}: checkpoint shape {:?}, config implies {:?}",
+                spec.name, shape, spec.shape
+            )));
+        }
+        let data = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(Error::format(format!(
+                    "tensor {}: dtype {other:?} is not supported (use F32, F16 or BF16)",
+                    spec.name
+                )))
+            }
+        };
+        let shape = view.shape().to_vec();
+        out.insert(spec.name.clone(), Tensor { shape, values });
+    }
+    let unknown: Vec<&str> = st
+        .names()
+        .into_iter()
+        .filter(|n| !out.contains_key(*n))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Error::format(format!(
+            "checkpoint has tensors the config does not use: {}",
+            unknown.join(", ")
+        )));
+    }
+    Ok(out)
+}
+
+/// Run the calibration tokens through the f16 model and return, per block linear, the dense
+/// input second moment `E[x xᵀ]`.
+fn calibrate(
+    config: &ModelConfig,
+    tensors: &HashMap<String, Tensor>,
+    opts: &ConvertOptions,
+) -> Result<HashMap<String, Vec<f64>>> {
+    if opts.calibration.len() < 2 {
+        return Err(Error::invalid("GPTQ needs calibration text (--calib FILE)"));
+    }
+    if let Some(&bad) = opts
+        .calibration
+        .iter()
+        .find(|&&t| t as usize >= config.vocab_size)
+    {
+        return Err(Error::invalid(format!(
+            "calibration token {bad} is out of range for vocab_size {}",
+            config.vocab_size
+        )));
+    }
+    // The f16 model, written once to a temporary file and loaded through the capture backend.
+    let mut writer = FileWriter::new(config.clone());
+    for spec in expected_tensors(config) {
+        let t = &tensors[&spec.name];
+        let values: Vec<f16> = t.values.iter().map(|&v| f16::from_f32(v)).collect();
+        writer.add_f16(&spec.name, &t.shape, &values);
+    }
+    let tmp = opts.out.with_extension("calibration.tmp");
+    writer.write(&tmp)?;
+    let file = ModelFile::open(&tmp);
+    std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let file = file?;
+
+    let window = opts.window.max(2);
+    let backend = CaptureBackend;
+    let weights = Weights::load(&backend, &file, window)?;
+    let mut buffers = Buffers::new(&backend, config, window, window)?;
+    let loops = opts.calibration_loops.unwrap_or(config.default_loops);
+    let windows: Vec<&[u32]> = opts.calibration.chunks(window).collect();
+    let mut progress = Progress::new(opts.progress, windows.len(), "calibrate");
+    for (i, tokens) in windows.iter().enumerate() {
+        forward(
+            &backend,
+            &weights,
+            &mut buffers,
+            StepInput {
+                tokens,
+                start_pos: 0,
+            },
+            loops,
+        )?;
+        progress.step(&format!("window {}", i + 1));
+    }
+    progress.finish();
+
+    let mut out = HashMap::new();
+    for (block, (stage, index)) in weights.blocks.iter().zip(blocks(config)) {
+        let name = block_name(stage, index);
+        let linears = [
+            &block.attn_qkv,
+            &block.attn_out,
+            &block.mlp_gate,
+            &block.mlp_up,
+            &block.mlp_down,
+        ];
+        for (linear, suffix) in linears.into_iter().zip(BLOCK_LINEARS) {
+            let h = linear
+                .hessian
+                .lock()
+                .expect("hessian lock is never poisoned");
+            out.insert(format!("{name}.{suffix}"), h.to_dense());
+        }
+    }
+    Ok(out)
+}
+
+/// A one-line progress bar on stderr.
+struct Progress {
+    enabled: bool,
+    total: usize,
+    done: usize,
+    label: &'static str,
+}
+
+impl Progress {
+    fn new(enabled: bool, total: usize, label: &'static str) -> Progress {
+        Progress {
+            enabled,
+            total,
+            done: 0,
+            label,
+        }
+    }
+
+    fn step(&mut self, what: &str) {
+        self.done += 1;
+        if self.enabled {
+            let width = 30;
+            let filled = width * self.done / self.total.max(1);
+            eprint!(
+                "\r[{}] [{}{}] {}/{} {:<28}",
+                self.label,
+                "#".repeat(filled),
+                " ".repeat(width - filled),
+                self.done,
+                self.total,
+                what
+            );
+            std::io::stderr().flush().ok();
+        }
+    }
+
+    fn finish(&self) {
+        if self.enabled {
+            eprintln!();
+        }
+    }
+}

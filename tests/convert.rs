@@ -1,0 +1,186 @@
+//! `tinyloop convert`: safetensors + config JSON → .tinyloop, by RTN and GPTQ, with clear errors.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use tinyloop::convert::{convert, ConvertOptions, Method};
+use tinyloop::model::layout::expected_tensors;
+use tinyloop::model::synth::preset;
+use tinyloop::{Error, Model};
+
+/// A checkpoint of random f32 tensors for `preset_name`, plus its config file.
+fn checkpoint(preset_name: &str, drop: Option<&str>, extra: Option<&str>) -> (PathBuf, PathBuf) {
+    let dir = common::scratch("convert");
+    let config = preset(preset_name).unwrap();
+    let mut data: HashMap<String, (Vec<usize>, Vec<u8>)> = HashMap::new();
+    let mut state = 1u64;
+    for spec in expected_tensors(&config) {
+        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let n: usize = shape.iter().product();
+        let scale = if spec.name.ends_with("norm") {
+            0.0
+        } else {
+            1.0 / (shape[shape.len() - 1] as f32).sqrt()
+        };
+        let bytes = (0..n)
+            .flat_map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                (1.0 + scale * u * 3.0 - if scale > 0.0 { 1.0 } else { 0.0 }).to_le_bytes()
+            })
+            .collect();
+        data.insert(spec.name.clone(), (shape, bytes));
+    }
+    if let Some(name) = drop {
+        data.remove(name);
+    }
+    if let Some(name) = extra {
+        data.insert(name.to_string(), (vec![2], vec![0; 8]));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(k, (shape, bytes))| {
+            (
+                k.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let tag = format!(
+        "{preset_name}-{}-{}",
+        drop.unwrap_or(""),
+        extra.unwrap_or("")
+    );
+    let st = dir.join(format!("{tag}.safetensors"));
+    safetensors::serialize_to_file(views, None, &st).unwrap();
+    let cfg = dir.join(format!("{tag}.json"));
+    std::fs::write(&cfg, serde_json::to_string(&config).unwrap()).unwrap();
+    (st, cfg)
+}
+
+fn options(st: PathBuf, cfg: PathBuf, bits: u32, method: Method, out: &str) -> ConvertOptions {
+    ConvertOptions {
+        safetensors: st,
+        config: cfg,
+        out: common::scratch("convert").join(out),
+        bits,
+        group_size: 32,
+        method,
+        calibration: common::tokens(300, 256, 1),
+        calibration_loops: None,
+        window: 64,
+        metadata: Default::default(),
+        progress: false,
+    }
+}
+
+#[test]
+fn rtn_and_gptq_conversions_load_and_agree_with_f16() {
+    let (st, cfg) = checkpoint("tiny-gqa", None, None);
+    let input = common::tokens(12, 256, 5);
+    let mut logits = HashMap::new();
+    for (bits, method, name) in [
+        (16, Method::Rtn, "f16"),
+        (4, Method::Rtn, "int4-rtn"),
+        (4, Method::Gptq, "int4-gptq"),
+        (2, Method::Gptq, "int2-gptq"),
+    ] {
+        let opts = options(
+            st.clone(),
+            cfg.clone(),
+            bits,
+            method,
+            &format!("{name}.tinyloop"),
+        );
+        convert(&opts).unwrap();
+        let model = common::open_cpu(&opts.out);
+        assert_eq!(model.info().metadata["tokenizer"], "bytes");
+        logits.insert(
+            name,
+            model.new_session().unwrap().score(&input, Some(2)).unwrap(),
+        );
+    }
+    let rel = |a: &[f32], b: &[f32]| {
+        let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (d / n).sqrt()
+    };
+    // Quantization perturbs the logits but keeps them near the f16 model's. Measured on this
+    // deterministic checkpoint: int4-rtn 0.22, int4-gptq 0.17, int2-gptq 0.66 relative L2. A gross
+    // conversion error (a transposed, misnamed or misplaced weight) decorrelates the logits and gives
+    // about sqrt(2) ≈ 1.4, so the bounds below catch it with margin; fewer bits must cost accuracy.
+    let (int4_rtn, int4_gptq, int2_gptq) = (
+        rel(&logits["int4-rtn"], &logits["f16"]),
+        rel(&logits["int4-gptq"], &logits["f16"]),
+        rel(&logits["int2-gptq"], &logits["f16"]),
+    );
+    assert!(
+        int4_rtn < 0.4 && int4_gptq < 0.4,
+        "int4: rtn {int4_rtn}, gptq {int4_gptq}"
+    );
+    assert!(int2_gptq < 1.0, "int2 gptq {int2_gptq}");
+    assert!(
+        int4_gptq < int2_gptq,
+        "int4 {int4_gptq} vs int2 {int2_gptq}"
+    );
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let (st, cfg) = checkpoint("tiny", Some("loop.0.mlp_up"), None);
+    let err = convert(&options(st, cfg, 4, Method::Rtn, "missing.tinyloop")).unwrap_err();
+    assert!(
+        matches!(&err, Error::Format(m) if m.contains("no tensor loop.0.mlp_up")),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_tensor_is_named() {
+    let (st, cfg) = checkpoint("tiny", None, Some("lm_head.weight"));
+    let err = convert(&options(st, cfg, 4, Method::Rtn, "extra.tinyloop")).unwrap_err();
+    assert!(err.to_string().contains("lm_head.weight"), "{err}");
+}
+
+#[test]
+fn shape_mismatch_is_named() {
+    // The checkpoint is tiny-tied (no pre blocks) but the config claims tiny.
+    let (st, _) = checkpoint("tiny", None, None);
+    let (_, other_cfg) = checkpoint("small", None, None);
+    let err = convert(&options(st, other_cfg, 4, Method::Rtn, "shape.tinyloop")).unwrap_err();
+    assert!(err.to_string().contains("checkpoint shape"), "{err}");
+}
+
+#[test]
+fn gptq_without_calibration_is_an_error() {
+    let (st, cfg) = checkpoint("tiny", None, None);
+    let mut opts = options(st, cfg, 4, Method::Gptq, "nocalib.tinyloop");
+    opts.calibration.clear();
+    let err = convert(&opts).unwrap_err();
+    assert!(err.to_string().contains("calibration"), "{err}");
+}
+
+#[test]
+fn converted_model_generates() {
+    let (st, cfg) = checkpoint("tiny", None, None);
+    let opts = options(st, cfg, 2, Method::Rtn, "gen.tinyloop");
+    convert(&opts).unwrap();
+    let model = Model::open(&opts.out, &common::cpu_options()).unwrap();
+    let out = model
+        .new_session()
+        .unwrap()
+        .generate(
+            &[1, 2, 3],
+            &tinyloop::GenerateParams {
+                max_tokens: 5,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(out.len(), 5);
+}
