@@ -85,11 +85,17 @@ pub(crate) fn select(requested: Device) -> Result<Selected> {
             }),
         Device::Auto => match CudaBackend::open(0) {
             Ok(b) => Ok(Selected::Cuda(Box::new(b))),
-            Err(e) => Ok(Selected::Cpu {
-                note: Some(format!(
-                    "device auto: using the CPU because CUDA is unavailable ({e})"
-                )),
-            }),
+            Err(e) => {
+                let why = match e {
+                    Error::Device(why) => why,
+                    other => other.to_string(),
+                };
+                Ok(Selected::Cpu {
+                    note: Some(format!(
+                        "device auto: using the CPU: CUDA is unavailable ({why})"
+                    )),
+                })
+            }
         },
     }
 }

@@ -102,6 +102,9 @@ struct ScoreArgs {
     /// Tokens per scored window; long inputs are split into independent windows.
     #[arg(long, default_value_t = 512)]
     window: usize,
+    /// Score only the first N tokens of the input.
+    #[arg(long)]
+    limit: Option<usize>,
 }
 
 #[derive(Args)]
@@ -439,6 +442,7 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
             ))
         }
     };
+    let tokens = &tokens[..args.limit.unwrap_or(tokens.len()).min(tokens.len())];
     if args.window < 2 {
         return Err(Error::InvalidArgument("--window must be >= 2".into()));
     }
@@ -504,7 +508,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     };
     // One generation yields both numbers: the first token arrives after the prefill (and one
     // head evaluation); the gaps between later tokens are decode steps.
-    let mut run = |session: &mut tinyloop::Session| -> Result<(f64, f64)> {
+    let run = |session: &mut tinyloop::Session| -> Result<(f64, f64)> {
         let start = Instant::now();
         let mut stamps = Vec::with_capacity(args.gen_len);
         session.generate_stream(&prompt, &params, &mut |_| {

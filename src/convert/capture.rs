@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::backend::cpu::{CpuBackend, CpuKvCache, CpuLinear, CpuStep};
+use crate::backend::cpu::{dot, CpuBackend, CpuKvCache, CpuLinear, CpuStep};
 use crate::backend::{AttentionShape, Backend, HostLinear, StepInput};
 use crate::error::Result;
 use crate::model::config::NormKind;
@@ -45,7 +45,7 @@ impl Hessian {
                 let xi = &columns[i * rows..(i + 1) * rows];
                 for (j, h) in h_row.iter_mut().enumerate().take(i + 1) {
                     let xj = &columns[j * rows..(j + 1) * rows];
-                    *h += xi.iter().zip(xj).map(|(a, b)| a * b).sum::<f32>() as f64;
+                    *h += dot(xi, xj) as f64;
                 }
             });
         self.rows += rows;

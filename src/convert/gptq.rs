@@ -88,6 +88,30 @@ pub fn quantize_gptq(
     Ok(m)
 }
 
+/// The layer-output error GPTQ minimizes: `Σ_rows Δwᵀ H Δw` with `Δw = w − dequantize(q)`.
+pub fn output_error(w: &[f32], q: &QuantizedMatrix, h: &[f64]) -> f64 {
+    let cols = q.cols;
+    (0..q.rows)
+        .into_par_iter()
+        .map(|r| {
+            let mut row = vec![0f32; cols];
+            q.dequantize_row(r, &mut row);
+            let d: Vec<f64> = (0..cols)
+                .map(|c| (w[r * cols + c] - row[c]) as f64)
+                .collect();
+            (0..cols)
+                .map(|i| {
+                    d[i] * h[i * cols..(i + 1) * cols]
+                        .iter()
+                        .zip(&d)
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                })
+                .sum::<f64>()
+        })
+        .sum()
+}
+
 /// `U` upper-triangular with `Uᵀ U = H⁻¹`: Cholesky of H, inverse, then Cholesky of the inverse.
 fn upper_cholesky_of_inverse(h: &[f64], n: usize) -> Result<Vec<f64>> {
     let l = cholesky(h, n)?;
@@ -148,7 +172,7 @@ mod tests {
     use crate::generate::sampling::Rng;
     use crate::model::quant::quantize_rtn;
 
-    fn output_error(w: &[f32], q: &QuantizedMatrix, x: &[f32], n_x: usize) -> f64 {
+    fn sample_output_error(w: &[f32], q: &QuantizedMatrix, x: &[f32], n_x: usize) -> f64 {
         let (rows, cols) = (q.rows, q.cols);
         let mut row = vec![0f32; cols];
         let mut total = 0.0;
@@ -193,8 +217,8 @@ mod tests {
             let gptq = quantize_gptq(&w, rows, cols, &h, dtype, 32).unwrap();
             let rtn = quantize_rtn(&w, rows, cols, dtype, 32).unwrap();
             let (e_gptq, e_rtn) = (
-                output_error(&w, &gptq, &x, n_x),
-                output_error(&w, &rtn, &x, n_x),
+                sample_output_error(&w, &gptq, &x, n_x),
+                sample_output_error(&w, &rtn, &x, n_x),
             );
             assert!(
                 e_gptq < 0.8 * e_rtn,

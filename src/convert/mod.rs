@@ -17,7 +17,7 @@ use crate::format::{DType, FileWriter, ModelFile};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{forward, Buffers};
 use crate::model::layout::{block_name, blocks, expected_tensors, TensorRole, BLOCK_LINEARS};
-use crate::model::quant::{quantize_rtn, LinearData};
+use crate::model::quant::{quantize_rtn, LinearData, QuantizedMatrix};
 use crate::model::weights::Weights;
 use capture::CaptureBackend;
 
@@ -93,16 +93,10 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
             }
         } else {
             let (rows, cols) = (t.shape[0], t.shape[1]);
+            let rtn = quantize_rtn(&t.values, rows, cols, dtype, opts.group_size)?;
             let q = match &hessians {
-                Some(h) => gptq::quantize_gptq(
-                    &t.values,
-                    rows,
-                    cols,
-                    &h[&spec.name],
-                    dtype,
-                    opts.group_size,
-                )?,
-                None => quantize_rtn(&t.values, rows, cols, dtype, opts.group_size)?,
+                Some(h) => best_of_gptq_and_rtn(&spec.name, &t.values, rtn, &h[&spec.name], opts)?,
+                None => rtn,
             };
             writer.add_linear(&spec.name, rows, cols, &LinearData::Quantized(q));
         }
@@ -110,6 +104,26 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     }
     progress.finish();
     writer.write(&opts.out)
+}
+
+/// GPTQ's result, unless round-to-nearest has the lower layer-output error on the calibration
+/// statistics (GPTQ can lose when a layer's inputs span few directions of the calibration set).
+fn best_of_gptq_and_rtn(
+    name: &str,
+    w: &[f32],
+    rtn: QuantizedMatrix,
+    h: &[f64],
+    opts: &ConvertOptions,
+) -> Result<QuantizedMatrix> {
+    let g = gptq::quantize_gptq(w, rtn.rows, rtn.cols, h, rtn.dtype, opts.group_size)?;
+    let (e_gptq, e_rtn) = (gptq::output_error(w, &g, h), gptq::output_error(w, &rtn, h));
+    if e_gptq <= e_rtn {
+        return Ok(g);
+    }
+    if opts.progress {
+        eprintln!("\n[gptq] {name}: round-to-nearest has the lower output error ({e_rtn:.3e} < {e_gptq:.3e}); keeping it");
+    }
+    Ok(rtn)
 }
 
 fn read_config(path: &Path) -> Result<ModelConfig> {

@@ -54,7 +54,7 @@ impl<B: Backend> Buffers<B> {
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
         Ok(Buffers {
             max_rows,
-            x: backend.alloc_float(float_len[0].max(wide * max_rows))?,
+            x: backend.alloc_float(float_len[0])?,
             qkv: backend.alloc_float(float_len[1])?,
             gate: backend.alloc_float(float_len[2])?,
             up: backend.alloc_float(float_len[3])?,

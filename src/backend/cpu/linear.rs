@@ -141,7 +141,7 @@ impl CpuLinear {
 
 /// f32 dot product with eight independent partial sums (lets the compiler vectorize it).
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {

@@ -11,6 +11,7 @@ use super::{AttentionShape, Backend, HostLinear, StepInput};
 use crate::error::{Error, Result};
 use crate::model::config::NormKind;
 
+pub(crate) use linear::dot;
 pub use linear::CpuLinear;
 
 /// Round to the nearest f16 and back: the value an f16 buffer would hold.

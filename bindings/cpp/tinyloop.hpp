@@ -1,0 +1,399 @@
+// tinyloop.hpp: header-only C++17 wrapper of libtinyloop's C ABI (include/tinyloop.h,
+// docs/ABI.md).
+//
+//   tinyloop::Model model("model.tinyloop");            // throws tinyloop::Error on failure
+//   std::vector<int32_t> out = model.generate({82, 79, 77, 69, 79, 58});
+//   model.generate_stream(prompt, opts, [](int32_t t) { std::printf("%d ", t); });
+//
+// Handles are move-only RAII objects: ~Model frees the model (tl_model_free), ~Session the
+// session. Every failure throws tinyloop::Error carrying the tl_status and the library's message.
+// Threads: Model methods may be called from any thread; calls that run on the model's default
+// session (generate*, score*) run one at a time (a concurrent one throws with TL_ERR_BUSY), the
+// others (config, vram_usage_mb, device, new_session, cancel, close) never wait for them. A
+// Session is used by one thread at a time; cancel() may come from any thread.
+#ifndef TINYLOOP_HPP
+#define TINYLOOP_HPP
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "tinyloop.h"
+
+namespace tinyloop {
+
+static_assert(TL_ABI_VERSION == 1, "tinyloop.hpp is written for C ABI version 1");
+
+/// A failed call: the status code and the library's message.
+class Error : public std::runtime_error {
+public:
+    Error(tl_status status, const std::string& message)
+        : std::runtime_error(message + " (" + tl_status_string(status) + ")"), status_(status) {}
+    tl_status status() const noexcept { return status_; }
+
+private:
+    tl_status status_;
+};
+
+namespace detail {
+/// Throw for a failed status, with the calling thread's last error message.
+inline void check(tl_status status) {
+    if (status != TL_OK) throw Error(status, tl_last_error_message());
+}
+}  // namespace detail
+
+/// Throws unless the loaded library implements the ABI this header was written for.
+inline void check_abi() {
+    if (tl_abi_version() != TL_ABI_VERSION)
+        throw Error(TL_ERR_INVALID_ARGUMENT,
+                    "libtinyloop ABI version " + std::to_string(tl_abi_version()) +
+                        " does not match tinyloop.hpp's " + std::to_string(TL_ABI_VERSION));
+}
+
+/// A read-only view of token ids (std::span-like): from a std::vector, std::array, a braced
+/// list, or a pointer and a count. It does not own the tokens.
+class Tokens {
+public:
+    Tokens() = default;
+    Tokens(const int32_t* data, std::size_t size) : data_(data), size_(size) {}
+    Tokens(const std::vector<int32_t>& v) : data_(v.data()), size_(v.size()) {}  // NOLINT
+    template <std::size_t N>
+    Tokens(const std::array<int32_t, N>& a) : data_(a.data()), size_(N) {}  // NOLINT
+    // For call arguments such as generate({1, 2, 3}): the list lives until the call returns.
+    // Do not keep a Tokens made from a braced list beyond the full expression.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"
+#endif
+    Tokens(std::initializer_list<int32_t> l) : data_(l.begin()), size_(l.size()) {}  // NOLINT
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+    const int32_t* data() const noexcept { return data_; }
+    std::size_t size() const noexcept { return size_; }
+
+private:
+    const int32_t* data_ = nullptr;
+    std::size_t size_ = 0;
+};
+
+/// Options of Model's constructor; the default constructor takes the library's defaults.
+struct ModelOptions {
+    uint32_t max_seq_len;
+    uint32_t prefill_chunk;
+    uint32_t max_loops;
+    bool log;
+    /// "auto", "cpu", "cuda", "cuda:N"; empty uses TINYLOOP_DEVICE, or auto.
+    std::string device;
+
+    ModelOptions() {
+        tl_model_params p;
+        detail::check(tl_model_default_params(&p));
+        max_seq_len = p.max_seq_len;
+        prefill_chunk = p.prefill_chunk;
+        max_loops = p.max_loops;
+        log = p.log;
+    }
+};
+
+/// Options of one generation call; the default constructor takes the library's defaults
+/// (greedy, 128 tokens, the model's default loops).
+struct GenerateOptions {
+    uint32_t max_tokens;
+    int32_t loops;  ///< 1..max_loops, or TL_LOOPS_DEFAULT
+    float temperature;
+    uint32_t top_k;
+    float top_p;
+    uint64_t seed;
+    std::vector<int32_t> stop;
+
+    GenerateOptions() {
+        tl_generate_params p;
+        detail::check(tl_generate_default_params(&p));
+        max_tokens = p.max_tokens;
+        loops = p.loops;
+        temperature = p.temperature;
+        top_k = p.top_k;
+        top_p = p.top_p;
+        seed = p.seed;
+    }
+
+    tl_generate_params to_c() const {
+        tl_generate_params p;
+        detail::check(tl_generate_default_params(&p));
+        p.max_tokens = max_tokens;
+        p.loops = loops;
+        p.temperature = temperature;
+        p.top_k = top_k;
+        p.top_p = top_p;
+        p.seed = seed;
+        p.stop_tokens = stop.empty() ? nullptr : stop.data();
+        p.n_stop_tokens = stop.size();
+        return p;
+    }
+};
+
+/// The static architecture of a model plus the options it was opened with.
+struct Config {
+    uint32_t dim, n_heads, n_kv_heads, ffn_dim, vocab_size, embed_factor_dim;
+    uint32_t n_pre_blocks, n_loop_blocks, n_post_blocks, default_loops;
+    std::string norm;  ///< "rmsnorm" | "layernorm"
+    double norm_eps, rope_theta;
+    uint32_t max_position;
+    std::string head;  ///< "untied" | "tied"
+    uint32_t max_seq_len, prefill_chunk, max_loops;
+};
+
+namespace detail {
+
+/// Stream state: the user's callable, and an exception it threw (rethrown after the C call,
+/// since exceptions must not cross the C boundary).
+template <class F>
+struct Stream {
+    F* fn;
+    std::exception_ptr error;
+
+    static bool callback(int32_t token, void* user_data) noexcept {
+        auto* self = static_cast<Stream*>(user_data);
+        try {
+            if constexpr (std::is_same_v<decltype((*self->fn)(token)), void>) {
+                (*self->fn)(token);
+                return true;
+            } else {
+                return static_cast<bool>((*self->fn)(token));
+            }
+        } catch (...) {
+            self->error = std::current_exception();
+            return false;
+        }
+    }
+};
+
+/// Calls shared by Model (its default session) and Session. `Self` supplies the C functions.
+template <class Self, class Handle>
+class Runner {
+public:
+    /// Up to opts.max_tokens new tokens after `prompt` (the stop token is not returned).
+    std::vector<int32_t> generate(Tokens prompt, const GenerateOptions& opts = {}) const {
+        tl_generate_params p = opts.to_c();
+        std::vector<int32_t> out(opts.max_tokens > 0 ? opts.max_tokens : 1);
+        std::size_t n = 0;
+        check(Self::c_generate(handle(), prompt.data(), prompt.size(), &p, out.data(), out.size(),
+                               &n));
+        out.resize(n);
+        return out;
+    }
+
+    /// Call `on_token(token)` for each new token as soon as it exists, on this thread. It may
+    /// return bool (false stops generation) or void. An exception it throws stops generation
+    /// and is rethrown here.
+    template <class F>
+    void generate_stream(Tokens prompt, const GenerateOptions& opts, F&& on_token) const {
+        tl_generate_params p = opts.to_c();
+        using Fn = std::remove_reference_t<F>;
+        Stream<Fn> stream{&on_token, nullptr};
+        tl_status status = Self::c_stream(handle(), prompt.data(), prompt.size(), &p,
+                                          &Stream<Fn>::callback, &stream);
+        if (stream.error) std::rethrow_exception(stream.error);
+        check(status);
+    }
+
+    /// Logits [vocab] at the last position.
+    std::vector<float> score_last(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_score_last, tokens, loops);
+    }
+
+    /// Logits [tokens.size() * vocab], row-major.
+    std::vector<float> score(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_score, tokens, loops);
+    }
+
+    /// log p(tokens[i+1] | tokens[..=i]), tokens.size() - 1 values.
+    std::vector<float> logprobs(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_logprobs, tokens, loops);
+    }
+
+    /// Stop the generation running (in another thread) at its next token; it then throws
+    /// Error with TL_ERR_CANCELLED. Callable from any thread.
+    void cancel() const { check(Self::c_cancel(handle())); }
+
+protected:
+    Handle* handle() const noexcept { return static_cast<const Self*>(this)->get(); }
+
+private:
+    template <class Fn>
+    std::vector<float> score_call(Fn fn, Tokens tokens, int32_t loops) const {
+        // Ask for the required length first (a NULL buffer of capacity 0), then fill.
+        std::size_t need = 0;
+        tl_status status = fn(handle(), tokens.data(), tokens.size(), loops, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) {
+            check(status);  // a real error (TL_OK is impossible for a zero-capacity buffer
+            need = 0;       // unless nothing is needed)
+        }
+        std::vector<float> out(need > 0 ? need : 1);
+        std::size_t n = 0;
+        check(fn(handle(), tokens.data(), tokens.size(), loops, out.data(), out.size(), &n));
+        out.resize(n);
+        return out;
+    }
+};
+
+}  // namespace detail
+
+class Session;
+
+/// An open .tinyloop model: weights on one device plus a default session. Move-only.
+class Model : public detail::Runner<Model, tl_model> {
+public:
+    /// Open `path` (throws Error: TL_ERR_IO, TL_ERR_FORMAT naming the failure point, ...).
+    explicit Model(const std::string& path, const ModelOptions& opts = ModelOptions()) {
+        check_abi();
+        tl_model_params p;
+        detail::check(tl_model_default_params(&p));
+        p.max_seq_len = opts.max_seq_len;
+        p.prefill_chunk = opts.prefill_chunk;
+        p.max_loops = opts.max_loops;
+        p.log = opts.log;
+        p.device = opts.device.empty() ? nullptr : opts.device.c_str();
+        detail::check(tl_model_open(path.c_str(), &p, &ptr_));
+    }
+    Model(const Model&) = delete;
+    Model& operator=(const Model&) = delete;
+    Model(Model&& other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    Model& operator=(Model&& other) noexcept {
+        if (this != &other) {
+            tl_model_free(ptr_);
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~Model() { tl_model_free(ptr_); }
+
+    /// Release the weights and default session now (idempotent; a running call on the default
+    /// session is cancelled and awaited). Later calls throw Error(TL_ERR_CLOSED).
+    void close() { detail::check(tl_close(ptr_)); }
+
+    Config config() const {
+        tl_config c;
+        c.struct_size = sizeof c;
+        detail::check(tl_model_config(ptr_, &c));
+        return Config{c.dim,          c.n_heads,       c.n_kv_heads,    c.ffn_dim,
+                      c.vocab_size,   c.embed_factor_dim, c.n_pre_blocks, c.n_loop_blocks,
+                      c.n_post_blocks, c.default_loops, c.norm,         c.norm_eps,
+                      c.rope_theta,   c.max_position,  c.head,          c.max_seq_len,
+                      c.prefill_chunk, c.max_loops};
+    }
+
+    /// Device memory of the weights and all live sessions, in MB (10^6 bytes).
+    double vram_usage_mb() const {
+        double mb = 0;
+        detail::check(tl_vram_usage_mb(ptr_, &mb));
+        return mb;
+    }
+
+    /// The device the weights live on, in words.
+    std::string device() const {
+        std::size_t need = 0;
+        tl_status status = tl_model_device(ptr_, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) detail::check(status);
+        std::string s(need, '\0');
+        detail::check(tl_model_device(ptr_, s.data(), s.size(), &need));
+        s.resize(need > 0 ? need - 1 : 0);
+        return s;
+    }
+
+    /// A new session over this model's weights (defined below).
+    Session new_session() const;
+
+    /// The C handle (owned by this object).
+    tl_model* get() const noexcept { return ptr_; }
+
+    static tl_status c_generate(tl_model* m, const int32_t* t, std::size_t n,
+                                const tl_generate_params* p, int32_t* out, std::size_t cap,
+                                std::size_t* len) {
+        return tl_generate(m, t, n, p, out, cap, len);
+    }
+    static tl_status c_stream(tl_model* m, const int32_t* t, std::size_t n,
+                              const tl_generate_params* p, tl_token_callback cb, void* ud) {
+        return tl_generate_stream(m, t, n, p, cb, ud);
+    }
+    static tl_status c_score_last(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
+                                  float* out, std::size_t cap, std::size_t* len) {
+        return tl_score_last(m, t, n, loops, out, cap, len);
+    }
+    static tl_status c_score(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
+                             float* out, std::size_t cap, std::size_t* len) {
+        return tl_score(m, t, n, loops, out, cap, len);
+    }
+    static tl_status c_logprobs(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
+                                float* out, std::size_t cap, std::size_t* len) {
+        return tl_logprobs(m, t, n, loops, out, cap, len);
+    }
+    static tl_status c_cancel(tl_model* m) { return tl_cancel(m); }
+
+private:
+    tl_model* ptr_ = nullptr;
+};
+
+/// One sequence's buffers and KV cache over a Model's weights. Move-only; it keeps the weights
+/// alive even after the Model is closed or destroyed.
+class Session : public detail::Runner<Session, tl_session> {
+public:
+    explicit Session(tl_session* ptr) noexcept : ptr_(ptr) {}
+    Session(const Session&) = delete;
+    Session& operator=(const Session&) = delete;
+    Session(Session&& other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    Session& operator=(Session&& other) noexcept {
+        if (this != &other) {
+            tl_session_free(ptr_);
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~Session() { tl_session_free(ptr_); }
+
+    tl_session* get() const noexcept { return ptr_; }
+
+    static tl_status c_generate(tl_session* s, const int32_t* t, std::size_t n,
+                                const tl_generate_params* p, int32_t* out, std::size_t cap,
+                                std::size_t* len) {
+        return tl_session_generate(s, t, n, p, out, cap, len);
+    }
+    static tl_status c_stream(tl_session* s, const int32_t* t, std::size_t n,
+                              const tl_generate_params* p, tl_token_callback cb, void* ud) {
+        return tl_session_generate_stream(s, t, n, p, cb, ud);
+    }
+    static tl_status c_score_last(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
+                                  float* out, std::size_t cap, std::size_t* len) {
+        return tl_session_score_last(s, t, n, loops, out, cap, len);
+    }
+    static tl_status c_score(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
+                             float* out, std::size_t cap, std::size_t* len) {
+        return tl_session_score(s, t, n, loops, out, cap, len);
+    }
+    static tl_status c_logprobs(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
+                                float* out, std::size_t cap, std::size_t* len) {
+        return tl_session_logprobs(s, t, n, loops, out, cap, len);
+    }
+    static tl_status c_cancel(tl_session* s) { return tl_session_cancel(s); }
+
+private:
+    tl_session* ptr_ = nullptr;
+};
+
+inline Session Model::new_session() const {
+    tl_session* s = nullptr;
+    detail::check(tl_session_new(ptr_, &s));
+    return Session(s);
+}
+
+}  // namespace tinyloop
+
+#endif  // TINYLOOP_HPP

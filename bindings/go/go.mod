@@ -1,0 +1,3 @@
+module github.com/tinyloop/tinyloop/bindings/go
+
+go 1.19

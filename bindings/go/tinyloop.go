@@ -1,0 +1,690 @@
+// Package tinyloop is the Go binding of libtinyloop, an inference runtime for looped
+// (weight-shared) transformers. It wraps the C ABI of include/tinyloop.h (see docs/ABI.md).
+//
+// Linking: the cgo directives below link ../../target/release/libtinyloop.so (run
+// `cargo build --release` in the repository first) and record that folder as the run-time
+// search path. To link another copy, set CGO_LDFLAGS (e.g. "-L/opt/tinyloop/lib
+// -Wl,-rpath,/opt/tinyloop/lib") and, when the header lives elsewhere, CGO_CFLAGS="-I...";
+// flags from the environment come after the ones here, so put the directory first via
+// CGO_LDFLAGS or LD_LIBRARY_PATH at run time.
+//
+// Threads: a Model is a set of weights plus a default session, safe to share between
+// goroutines; one call at a time runs on the default session (a concurrent one fails with
+// ErrBusy). For concurrency, give each goroutine its own Session (Model.NewSession); sessions
+// share the model's weights. Close may be called from any goroutine, at any time, repeatedly.
+package tinyloop
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../../include
+#cgo LDFLAGS: -L${SRCDIR}/../../target/release -ltinyloop -Wl,-rpath,${SRCDIR}/../../target/release
+#include <stdint.h>
+#include <stdlib.h>
+#include "tinyloop.h"
+
+extern _Bool goTinyloopToken(int32_t token, uintptr_t handle);
+
+static bool tinyloop_trampoline(int32_t token, void *user_data) {
+	return goTinyloopToken(token, (uintptr_t)user_data);
+}
+
+static enum tl_status tinyloop_model_stream(const tl_model *m, const int32_t *tokens, size_t n,
+                                       const tl_generate_params *p, uintptr_t handle) {
+	return tl_generate_stream(m, tokens, n, p, tinyloop_trampoline, (void *)handle);
+}
+
+static enum tl_status tinyloop_session_stream(const tl_session *s, const int32_t *tokens, size_t n,
+                                         const tl_generate_params *p, uintptr_t handle) {
+	return tl_session_generate_stream(s, tokens, n, p, tinyloop_trampoline, (void *)handle);
+}
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"runtime/cgo"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+)
+
+// ABIVersion is the C ABI version this package was written against (TL_ABI_VERSION).
+const ABIVersion = 1
+
+// LoopsDefault selects the model's default_loops (TL_LOOPS_DEFAULT).
+const LoopsDefault = -1
+
+// LibraryABIVersion is the ABI version of the linked library (tl_abi_version()).
+func LibraryABIVersion() int { return int(C.tl_abi_version()) }
+
+var (
+	abiOnce sync.Once
+	abiErr  error
+)
+
+// checkABI runs before every Open and call: a library of another ABI version is refused.
+func checkABI() error {
+	abiOnce.Do(func() {
+		if v := LibraryABIVersion(); v != ABIVersion {
+			abiErr = &Error{Status: StatusInvalidArgument, Message: fmt.Sprintf(
+				"libtinyloop implements C ABI version %d, this package needs %d", v, ABIVersion)}
+		}
+	})
+	return abiErr
+}
+
+// Options configure Open. Start from DefaultOptions(); Open(path, nil) uses the defaults.
+type Options struct {
+	MaxSeqLen    int    // upper bound on prompt + generated tokens; > 0
+	PrefillChunk int    // > 0: chunked prefill and a cap on score lengths; 0: off
+	Device       string // "auto", "cpu", "cuda", "cuda:N"; "" uses TINYLOOP_DEVICE or auto
+	MaxLoops     int    // the largest loops a call may ask for; > 0
+	Log          bool   // print the load log on stderr
+}
+
+// DefaultOptions returns the library's defaults (tl_model_default_params).
+func DefaultOptions() Options {
+	var p C.tl_model_params
+	C.tl_model_default_params(&p)
+	return Options{
+		MaxSeqLen:    int(p.max_seq_len),
+		PrefillChunk: int(p.prefill_chunk),
+		MaxLoops:     int(p.max_loops),
+		Log:          bool(p.log),
+	}
+}
+
+// GenerateOptions configure one generation call. Start from DefaultGenerateOptions();
+// a nil *GenerateOptions means the defaults (greedy, 128 tokens, default loops).
+type GenerateOptions struct {
+	MaxTokens   int     // >= 1; the number of tokens generated at most
+	Loops       int     // 1..MaxLoops, or LoopsDefault
+	Temperature float32 // 0: greedy
+	TopK        int     // 0: all tokens
+	TopP        float32 // (0, 1]
+	Seed        uint64  // sampler seed; the same seed and inputs give the same tokens
+	Stop        []int32 // generation ends at any of these (not returned)
+}
+
+// DefaultGenerateOptions returns the library's defaults (tl_generate_default_params).
+func DefaultGenerateOptions() GenerateOptions {
+	var p C.tl_generate_params
+	C.tl_generate_default_params(&p)
+	return GenerateOptions{
+		MaxTokens:   int(p.max_tokens),
+		Loops:       int(p.loops),
+		Temperature: float32(p.temperature),
+		TopK:        int(p.top_k),
+		TopP:        float32(p.top_p),
+		Seed:        uint64(p.seed),
+	}
+}
+
+// Config is the static architecture of a model plus the options it was opened with.
+type Config struct {
+	Dim, NHeads, NKVHeads, FFNDim, VocabSize, EmbedFactorDim int
+	NPreBlocks, NLoopBlocks, NPostBlocks, DefaultLoops       int
+	Norm                                                     string // "rmsnorm" | "layernorm"
+	NormEps, RopeTheta                                       float64
+	MaxPosition                                              int
+	Head                                                     string // "untied" | "tied"
+	MaxSeqLen, PrefillChunk, MaxLoops                        int
+}
+
+// handle guards a C pointer shared by goroutines: calls hold the read lock; Close marks the
+// handle closed, releases native resources, then takes the write lock to free the pointer.
+type handle struct {
+	mu      sync.RWMutex
+	closeMu sync.Mutex
+	closed  atomic.Bool
+	what    string
+}
+
+// enter starts a call named method; the caller must call h.mu.RUnlock() when done.
+func (h *handle) enter(method string) error {
+	if err := checkABI(); err != nil {
+		return err
+	}
+	h.mu.RLock()
+	if h.closed.Load() {
+		h.mu.RUnlock()
+		return closedError(method, h.what)
+	}
+	return nil
+}
+
+func closedError(method, what string) error {
+	return &Error{Status: StatusClosed, Message: fmt.Sprintf(
+		"%s called on a closed %s; construct a new one", method, what)}
+}
+
+// lastError turns a status into an error, reading the thread-local message. The caller must
+// be locked to its OS thread across the C call and this read.
+func lastError(st C.enum_tl_status, method, what string) error {
+	if st == C.TL_OK {
+		return nil
+	}
+	if Status(st) == StatusClosed {
+		return closedError(method, what)
+	}
+	return &Error{Status: Status(st), Message: C.GoString(C.tl_last_error_message())}
+}
+
+// call runs f (one C call) on a locked OS thread and converts its status.
+func call(method, what string, f func() C.enum_tl_status) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	return lastError(f(), method, what)
+}
+
+// cToken copies Go tokens into a C array (NULL for none); free with C.free.
+func cTokens(tokens []int32) *C.int32_t {
+	if len(tokens) == 0 {
+		return nil
+	}
+	p := (*C.int32_t)(C.malloc(C.size_t(len(tokens)) * C.size_t(unsafe.Sizeof(C.int32_t(0)))))
+	copy(unsafe.Slice((*int32)(unsafe.Pointer(p)), len(tokens)), tokens)
+	return p
+}
+
+// cParams converts options to C; free the returned stop array with C.free (nil-safe).
+func cParams(o *GenerateOptions) (C.tl_generate_params, *C.int32_t, error) {
+	var p C.tl_generate_params
+	C.tl_generate_default_params(&p)
+	if o == nil {
+		return p, nil, nil
+	}
+	if o.MaxTokens < 0 || o.MaxTokens > 1<<32-1 {
+		return p, nil, invalid("MaxTokens %d out of range", o.MaxTokens)
+	}
+	if o.TopK < 0 || o.TopK > 1<<32-1 {
+		return p, nil, invalid("TopK %d out of range", o.TopK)
+	}
+	if o.Loops < -1<<31 || o.Loops > 1<<31-1 {
+		return p, nil, invalid("Loops %d out of range", o.Loops)
+	}
+	p.max_tokens = C.uint32_t(o.MaxTokens)
+	p.loops = C.int32_t(o.Loops)
+	p.temperature = C.float(o.Temperature)
+	p.top_k = C.uint32_t(o.TopK)
+	p.top_p = C.float(o.TopP)
+	p.seed = C.uint64_t(o.Seed)
+	// The params struct lives in Go memory, so the stop array must be C memory (cgo rules).
+	stop := cTokens(o.Stop)
+	p.stop_tokens = stop
+	p.n_stop_tokens = C.size_t(len(o.Stop))
+	return p, stop, nil
+}
+
+func invalid(format string, args ...interface{}) error {
+	return &Error{Status: StatusInvalidArgument, Message: fmt.Sprintf(format, args...)}
+}
+
+// tokensPtr is a pointer to the first token, or nil for an empty slice (the library rejects
+// an empty prompt with StatusInvalidArgument).
+func tokensPtr(tokens []int32) *C.int32_t {
+	if len(tokens) == 0 {
+		return nil
+	}
+	return (*C.int32_t)(unsafe.Pointer(&tokens[0]))
+}
+
+// watch calls cancel once ctx is done, and keeps calling it every millisecond until stopped
+// (a cancel that lands just before the C call starts would otherwise be reset by it).
+func watch(ctx context.Context, cancel func()) (stop func()) {
+	if ctx.Done() == nil {
+		return func() {}
+	}
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		select {
+		case <-done:
+			return
+		case <-ctx.Done():
+		}
+		ticker := time.NewTicker(time.Millisecond)
+		defer ticker.Stop()
+		for {
+			cancel()
+			select {
+			case <-done:
+				return
+			case <-ticker.C:
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		<-finished
+	}
+}
+
+// cancelledByCtx wraps a cancellation caused by ctx so that errors.Is matches both
+// ErrCancelled and ctx.Err().
+func cancelledByCtx(ctx context.Context, err error) error {
+	if ctx.Err() == nil {
+		return err
+	}
+	msg := "cancelled: " + ctx.Err().Error()
+	if e, ok := err.(*Error); ok && e.Message != "" {
+		msg = e.Message + " (" + ctx.Err().Error() + ")"
+	}
+	return &Error{Status: StatusCancelled, Message: msg, cause: ctx.Err()}
+}
+
+// runner holds the calls shared by Model (its default session) and Session.
+type runner struct {
+	h        *handle
+	generate func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status
+	stream   func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, handle C.uintptr_t) C.enum_tl_status
+	scoreFn  func(kind int, tok *C.int32_t, n C.size_t, loops C.int32_t, out *C.float, outCap C.size_t, outLen *C.size_t) C.enum_tl_status
+	cancelFn func() C.enum_tl_status
+}
+
+const (
+	scoreLast = iota
+	scoreAll
+	scoreLogprobs
+)
+
+func (r *runner) doGenerate(ctx context.Context, tokens []int32, o *GenerateOptions) ([]int32, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, cancelledByCtx(ctx, &Error{Status: StatusCancelled})
+	}
+	p, stop, err := cParams(o)
+	defer C.free(unsafe.Pointer(stop))
+	if err != nil {
+		return nil, err
+	}
+	if err := r.h.enter("Generate"); err != nil {
+		return nil, err
+	}
+	defer r.h.mu.RUnlock()
+	out := make([]int32, int(p.max_tokens)+1)
+	var n C.size_t
+	unwatch := watch(ctx, func() { r.cancelFn() })
+	err = call("Generate", r.h.what, func() C.enum_tl_status {
+		return r.generate(tokensPtr(tokens), C.size_t(len(tokens)), &p,
+			(*C.int32_t)(unsafe.Pointer(&out[0])), C.size_t(len(out)), &n)
+	})
+	unwatch()
+	if err != nil {
+		if e, ok := err.(*Error); ok && e.Status == StatusCancelled {
+			return nil, cancelledByCtx(ctx, err)
+		}
+		return nil, err
+	}
+	return out[:int(n)], nil
+}
+
+func (r *runner) doStream(ctx context.Context, tokens []int32, o *GenerateOptions, fn func(int32) bool) error {
+	if fn == nil {
+		return invalid("GenerateStream: fn is nil")
+	}
+	if err := ctx.Err(); err != nil {
+		return cancelledByCtx(ctx, &Error{Status: StatusCancelled})
+	}
+	p, stop, err := cParams(o)
+	defer C.free(unsafe.Pointer(stop))
+	if err != nil {
+		return err
+	}
+	if err := r.h.enter("GenerateStream"); err != nil {
+		return err
+	}
+	defer r.h.mu.RUnlock()
+	state := &streamState{fn: fn, ctxDone: func() bool { return ctx.Err() != nil }}
+	h := cgo.NewHandle(state)
+	defer h.Delete()
+	unwatch := watch(ctx, func() { r.cancelFn() })
+	err = call("GenerateStream", r.h.what, func() C.enum_tl_status {
+		return r.stream(tokensPtr(tokens), C.size_t(len(tokens)), &p, C.uintptr_t(h))
+	})
+	unwatch()
+	if state.panicked != nil {
+		panic(state.panicked)
+	}
+	if err != nil {
+		if e, ok := err.(*Error); ok && e.Status == StatusCancelled {
+			return cancelledByCtx(ctx, err)
+		}
+		return err
+	}
+	if state.stopped {
+		return cancelledByCtx(ctx, &Error{Status: StatusCancelled})
+	}
+	return nil
+}
+
+func (r *runner) doScore(method string, kind int, vocab int, tokens []int32, loops int) ([]float32, error) {
+	if loops < -1<<31 || loops > 1<<31-1 {
+		return nil, invalid("%s: loops %d out of range", method, loops)
+	}
+	size := vocab
+	switch kind {
+	case scoreAll:
+		size = vocab * len(tokens)
+	case scoreLogprobs:
+		size = len(tokens) - 1
+	}
+	if size < 1 {
+		size = 1
+	}
+	if err := r.h.enter(method); err != nil {
+		return nil, err
+	}
+	defer r.h.mu.RUnlock()
+	out := make([]float32, size)
+	var n C.size_t
+	err := call(method, r.h.what, func() C.enum_tl_status {
+		return r.scoreFn(kind, tokensPtr(tokens), C.size_t(len(tokens)), C.int32_t(loops),
+			(*C.float)(unsafe.Pointer(&out[0])), C.size_t(len(out)), &n)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out[:int(n)], nil
+}
+
+func (r *runner) doCancel() error {
+	if err := r.h.enter("Cancel"); err != nil {
+		return err
+	}
+	defer r.h.mu.RUnlock()
+	return call("Cancel", r.h.what, r.cancelFn)
+}
+
+// Model is an open .tinyloop model: weights on one device plus a default session.
+type Model struct {
+	runner
+	ptr       *C.tl_model
+	vocabMu   sync.Mutex
+	vocabSize int
+}
+
+// Open loads a .tinyloop file. opts == nil uses DefaultOptions(). The error carries
+// StatusIO (missing/unreadable file), StatusFormat (the message names the failure point),
+// StatusInvalidArgument, StatusDevice or StatusOutOfMemory.
+func Open(path string, opts *Options) (*Model, error) {
+	if err := checkABI(); err != nil {
+		return nil, err
+	}
+	var params C.tl_model_params
+	C.tl_model_default_params(&params)
+	if opts != nil {
+		for name, v := range map[string]int{"MaxSeqLen": opts.MaxSeqLen, "PrefillChunk": opts.PrefillChunk, "MaxLoops": opts.MaxLoops} {
+			if v < 0 || v > 1<<32-1 {
+				return nil, invalid("Open: %s %d out of range", name, v)
+			}
+		}
+		params.max_seq_len = C.uint32_t(opts.MaxSeqLen)
+		params.prefill_chunk = C.uint32_t(opts.PrefillChunk)
+		params.max_loops = C.uint32_t(opts.MaxLoops)
+		params.log = C.bool(opts.Log)
+		if opts.Device != "" {
+			device := C.CString(opts.Device)
+			defer C.free(unsafe.Pointer(device))
+			params.device = device
+		}
+	}
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var ptr *C.tl_model
+	if err := call("Open", "model", func() C.enum_tl_status { return C.tl_model_open(cpath, &params, &ptr) }); err != nil {
+		return nil, err
+	}
+	// The closures capture the C pointer, not m, so that m can be collected (and finalized).
+	m := &Model{ptr: ptr}
+	m.h = &handle{what: "model"}
+	m.generate = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
+		return C.tl_generate(ptr, tok, n, p, out, outCap, outLen)
+	}
+	m.stream = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, h C.uintptr_t) C.enum_tl_status {
+		return C.tinyloop_model_stream(ptr, tok, n, p, h)
+	}
+	m.scoreFn = func(kind int, tok *C.int32_t, n C.size_t, loops C.int32_t, out *C.float, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
+		switch kind {
+		case scoreAll:
+			return C.tl_score(ptr, tok, n, loops, out, outCap, outLen)
+		case scoreLogprobs:
+			return C.tl_logprobs(ptr, tok, n, loops, out, outCap, outLen)
+		}
+		return C.tl_score_last(ptr, tok, n, loops, out, outCap, outLen)
+	}
+	m.cancelFn = func() C.enum_tl_status { return C.tl_cancel(ptr) }
+	runtime.SetFinalizer(m, func(m *Model) { _ = m.Close() })
+	return m, nil
+}
+
+func (m *Model) vocab(method string) (int, error) {
+	m.vocabMu.Lock()
+	defer m.vocabMu.Unlock()
+	if m.vocabSize == 0 {
+		if m.h.closed.Load() {
+			return 0, closedError(method, "model")
+		}
+		cfg, err := m.Config()
+		if err != nil {
+			return 0, err
+		}
+		m.vocabSize = cfg.VocabSize
+	}
+	return m.vocabSize, nil
+}
+
+// Close releases the weights and the default session; a call running on the default session
+// is cancelled and awaited. Idempotent and safe from any goroutine, but not from inside a
+// stream callback of the same model (that returns ErrBusy and closes nothing). Sessions made
+// with NewSession keep working and keep the weights alive until they are closed.
+func (m *Model) Close() error {
+	return m.h.close(func() C.enum_tl_status { return C.tl_close(m.ptr) }, func() {
+		C.tl_model_free(m.ptr)
+		m.ptr = nil
+	})
+}
+
+// close: mark closed, release native resources with release() (which cancels and awaits the
+// running call), then wait for calls in flight and free with free().
+//
+// A Close that finds the handle closed or closing returns at once (without waiting for the
+// other Close to finish), so that concurrent Closes cannot deadlock with a running call.
+func (h *handle) close(release func() C.enum_tl_status, free func()) error {
+	if h.closed.Load() {
+		return nil
+	}
+	h.closeMu.Lock()
+	defer h.closeMu.Unlock()
+	if h.closed.Load() {
+		return nil
+	}
+	h.closed.Store(true)
+	if err := call("Close", h.what, release); err != nil {
+		h.closed.Store(false)
+		return err
+	}
+	h.mu.Lock()
+	free()
+	h.mu.Unlock()
+	return nil
+}
+
+// Config returns the architecture and open options. It does not wait for running calls.
+func (m *Model) Config() (Config, error) {
+	if err := m.h.enter("Config"); err != nil {
+		return Config{}, err
+	}
+	defer m.h.mu.RUnlock()
+	var c C.tl_config
+	c.struct_size = C.size_t(unsafe.Sizeof(c))
+	if err := call("Config", "model", func() C.enum_tl_status { return C.tl_model_config(m.ptr, &c) }); err != nil {
+		return Config{}, err
+	}
+	return Config{
+		Dim: int(c.dim), NHeads: int(c.n_heads), NKVHeads: int(c.n_kv_heads), FFNDim: int(c.ffn_dim),
+		VocabSize: int(c.vocab_size), EmbedFactorDim: int(c.embed_factor_dim),
+		NPreBlocks: int(c.n_pre_blocks), NLoopBlocks: int(c.n_loop_blocks),
+		NPostBlocks: int(c.n_post_blocks), DefaultLoops: int(c.default_loops),
+		Norm: C.GoString(c.norm), NormEps: float64(c.norm_eps), RopeTheta: float64(c.rope_theta),
+		MaxPosition: int(c.max_position), Head: C.GoString(c.head),
+		MaxSeqLen: int(c.max_seq_len), PrefillChunk: int(c.prefill_chunk), MaxLoops: int(c.max_loops),
+	}, nil
+}
+
+// VRAMUsageMB returns the device memory held by the weights and all live sessions, in MB
+// (10^6 bytes). It does not wait for running calls.
+func (m *Model) VRAMUsageMB() (float64, error) {
+	if err := m.h.enter("VRAMUsageMB"); err != nil {
+		return 0, err
+	}
+	defer m.h.mu.RUnlock()
+	var mb C.double
+	err := call("VRAMUsageMB", "model", func() C.enum_tl_status { return C.tl_vram_usage_mb(m.ptr, &mb) })
+	return float64(mb), err
+}
+
+// Device describes the device the weights live on.
+func (m *Model) Device() (string, error) {
+	if err := m.h.enter("Device"); err != nil {
+		return "", err
+	}
+	defer m.h.mu.RUnlock()
+	buf := make([]byte, 256)
+	var n C.size_t
+	err := call("Device", "model", func() C.enum_tl_status {
+		return C.tl_model_device(m.ptr, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)), &n)
+	})
+	if err != nil {
+		return "", err
+	}
+	return string(buf[:int(n)-1]), nil
+}
+
+// Generate returns up to opts.MaxTokens new tokens after the prompt (nil opts: defaults). When
+// ctx is done the call stops at the next token; the error then matches both ErrCancelled and
+// ctx.Err() under errors.Is. A concurrent call on the same model fails with ErrBusy.
+func (m *Model) Generate(ctx context.Context, tokens []int32, opts *GenerateOptions) ([]int32, error) {
+	return m.doGenerate(ctx, tokens, opts)
+}
+
+// GenerateStream calls fn with each new token as soon as it exists, on the calling goroutine's
+// thread; fn returning false stops generation (nil error). Cancellation as for Generate. fn
+// must not call methods of this model other than Cancel, VRAMUsageMB, Config and Device.
+func (m *Model) GenerateStream(ctx context.Context, tokens []int32, opts *GenerateOptions, fn func(token int32) bool) error {
+	return m.doStream(ctx, tokens, opts, fn)
+}
+
+// ScoreLast returns the logits [vocab] at the last position (loops: LoopsDefault or 1..MaxLoops).
+func (m *Model) ScoreLast(tokens []int32, loops int) ([]float32, error) {
+	vocab, err := m.vocab("ScoreLast")
+	if err != nil {
+		return nil, err
+	}
+	return m.doScore("ScoreLast", scoreLast, vocab, tokens, loops)
+}
+
+// Score returns the logits [len(tokens) * vocab] (row-major) for every position.
+func (m *Model) Score(tokens []int32, loops int) ([]float32, error) {
+	vocab, err := m.vocab("Score")
+	if err != nil {
+		return nil, err
+	}
+	return m.doScore("Score", scoreAll, vocab, tokens, loops)
+}
+
+// Logprobs returns log p(tokens[i+1] | tokens[:i+1]) for i < len(tokens)-1.
+func (m *Model) Logprobs(tokens []int32, loops int) ([]float32, error) {
+	vocab, err := m.vocab("Logprobs")
+	if err != nil {
+		return nil, err
+	}
+	return m.doScore("Logprobs", scoreLogprobs, vocab, tokens, loops)
+}
+
+// Cancel stops the generation running on the default session at its next token.
+func (m *Model) Cancel() error { return m.doCancel() }
+
+// Session is one sequence's buffers and KV cache over a Model's shared weights. Use it from
+// one goroutine at a time (a concurrent call fails with ErrBusy); Cancel and Close may be
+// called from any goroutine.
+type Session struct {
+	runner
+	ptr   *C.tl_session
+	vsize int
+}
+
+// NewSession creates a session over the model's weights.
+func (m *Model) NewSession() (*Session, error) {
+	vocab, err := m.vocab("NewSession")
+	if err != nil {
+		return nil, err
+	}
+	if err := m.h.enter("NewSession"); err != nil {
+		return nil, err
+	}
+	defer m.h.mu.RUnlock()
+	var ptr *C.tl_session
+	if err := call("NewSession", "model", func() C.enum_tl_status { return C.tl_session_new(m.ptr, &ptr) }); err != nil {
+		return nil, err
+	}
+	s := &Session{ptr: ptr, vsize: vocab}
+	s.h = &handle{what: "session"}
+	s.generate = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
+		return C.tl_session_generate(ptr, tok, n, p, out, outCap, outLen)
+	}
+	s.stream = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, h C.uintptr_t) C.enum_tl_status {
+		return C.tinyloop_session_stream(ptr, tok, n, p, h)
+	}
+	s.scoreFn = func(kind int, tok *C.int32_t, n C.size_t, loops C.int32_t, out *C.float, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
+		switch kind {
+		case scoreAll:
+			return C.tl_session_score(ptr, tok, n, loops, out, outCap, outLen)
+		case scoreLogprobs:
+			return C.tl_session_logprobs(ptr, tok, n, loops, out, outCap, outLen)
+		}
+		return C.tl_session_score_last(ptr, tok, n, loops, out, outCap, outLen)
+	}
+	s.cancelFn = func() C.enum_tl_status { return C.tl_session_cancel(ptr) }
+	runtime.SetFinalizer(s, func(s *Session) { _ = s.Close() })
+	return s, nil
+}
+
+// Close cancels a running call, waits for it, and frees the session. Idempotent; safe from any
+// goroutine except from inside this session's own stream callback.
+func (s *Session) Close() error {
+	return s.h.close(func() C.enum_tl_status { return C.tl_session_cancel(s.ptr) }, func() {
+		C.tl_session_free(s.ptr)
+		s.ptr = nil
+	})
+}
+
+// Generate is Model.Generate on this session.
+func (s *Session) Generate(ctx context.Context, tokens []int32, opts *GenerateOptions) ([]int32, error) {
+	return s.doGenerate(ctx, tokens, opts)
+}
+
+// GenerateStream is Model.GenerateStream on this session.
+func (s *Session) GenerateStream(ctx context.Context, tokens []int32, opts *GenerateOptions, fn func(token int32) bool) error {
+	return s.doStream(ctx, tokens, opts, fn)
+}
+
+// ScoreLast is Model.ScoreLast on this session.
+func (s *Session) ScoreLast(tokens []int32, loops int) ([]float32, error) {
+	return s.doScore("ScoreLast", scoreLast, s.vsize, tokens, loops)
+}
+
+// Score is Model.Score on this session.
+func (s *Session) Score(tokens []int32, loops int) ([]float32, error) {
+	return s.doScore("Score", scoreAll, s.vsize, tokens, loops)
+}
+
+// Logprobs is Model.Logprobs on this session.
+func (s *Session) Logprobs(tokens []int32, loops int) ([]float32, error) {
+	return s.doScore("Logprobs", scoreLogprobs, s.vsize, tokens, loops)
+}
+
+// Cancel stops the generation running on this session at its next token.
+func (s *Session) Cancel() error { return s.doCancel() }

@@ -1,0 +1,585 @@
+"""TinyLoop from Python: ctypes bindings over libtinyloop's C ABI (docs/ABI.md).
+
+>>> import tinyloop_py
+>>> with tinyloop_py.Model("model.tinyloop", max_seq_len=2048) as model:   # doctest: +SKIP
+...     tokens = model.generate([82, 79, 77, 69, 79, 58], max_tokens=16)
+
+A :class:`Model` is a model plus its default session: one call at a time (a second concurrent
+call raises :class:`BusyError`). For concurrency, give each thread its own :class:`Session`
+from :meth:`Model.new_session`; sessions share the model's weights. Every call releases the GIL
+while it runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import numbers
+import os
+import queue
+import random
+import threading
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _lib as _c
+
+__all__ = [
+    "Model",
+    "Session",
+    "load",
+    "abi_version",
+    "library_path",
+    "TinyLoopError",
+    "InvalidArgumentError",
+    "ClosedError",
+    "BusyError",
+    "CancelledError",
+    "ABI_VERSION",
+]
+__version__ = "0.1.0"
+
+ABI_VERSION = _c.ABI_VERSION
+_dll = _c.load_library()
+
+Tokens = Union[Sequence[int], np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class TinyLoopError(RuntimeError):
+    """A failed libtinyloop call. ``status`` is the ``tl_status`` code, ``status_name`` its name."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+        self.status_name = _c.STATUS_NAMES.get(status, "TL_UNKNOWN_STATUS")
+
+
+class InvalidArgumentError(TinyLoopError, ValueError):
+    """TL_ERR_INVALID_ARGUMENT: both a :class:`TinyLoopError` and a ``ValueError``."""
+
+
+class ClosedError(TinyLoopError):
+    """TL_ERR_CLOSED: the model or session was closed; construct a new one."""
+
+
+class BusyError(TinyLoopError):
+    """TL_ERR_BUSY: another call is running on the same model or session."""
+
+
+class CancelledError(TinyLoopError):
+    """TL_ERR_CANCELLED: the call was stopped by ``cancel()``."""
+
+
+_ERROR_CLASSES = {
+    _c.TL_ERR_INVALID_ARGUMENT: InvalidArgumentError,
+    _c.TL_ERR_CLOSED: ClosedError,
+    _c.TL_ERR_BUSY: BusyError,
+    _c.TL_ERR_CANCELLED: CancelledError,
+}
+
+
+def _error(status: int, message: str) -> TinyLoopError:
+    return _ERROR_CLASSES.get(status, TinyLoopError)(message, status)
+
+
+def _check(status: int, method: str, what: str = "model") -> None:
+    """Raise for a failed status. Must run on the thread that made the call (the message is
+    thread-local)."""
+    if status == _c.TL_OK:
+        return
+    if status == _c.TL_ERR_CLOSED:
+        raise _closed(method, what)
+    # The C message names the C function and the failure point.
+    raise _error(status, (_dll.tl_last_error_message() or b"").decode("utf-8", "replace"))
+
+
+def _closed(method: str, what: str) -> ClosedError:
+    cls = "Model" if what == "model" else "Session"
+    return ClosedError(
+        f"{method}() called on a closed {what}; construct a new {cls}", _c.TL_ERR_CLOSED
+    )
+
+
+def abi_version() -> int:
+    """The C ABI version of the loaded library (equal to :data:`ABI_VERSION`)."""
+    return int(_dll.tl_abi_version())
+
+
+def library_path() -> str:
+    """The path of the loaded libtinyloop."""
+    return str(_dll._name)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument conversion
+
+_I32P = ctypes.POINTER(ctypes.c_int32)
+_F32P = ctypes.POINTER(ctypes.c_float)
+_U32_MAX = 2**32 - 1
+_I32_MAX = 2**31 - 1
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise InvalidArgumentError(
+            f"{name} must be in {lo}..={hi}, got {value}", _c.TL_ERR_INVALID_ARGUMENT
+        )
+    return value
+
+
+def _tokens(tokens: Tokens, name: str = "tokens") -> np.ndarray:
+    """Token ids as a contiguous 1-D int32 array (numpy arrays and sequences of ints)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(
+            f"{name} must be 1-D, got shape {arr.shape}", _c.TL_ERR_INVALID_ARGUMENT
+        )
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype != np.int32:
+        if arr.min() < -(2**31) or arr.max() > _I32_MAX:
+            raise InvalidArgumentError(
+                f"{name} holds values outside int32", _c.TL_ERR_INVALID_ARGUMENT
+            )
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _ptr(arr: np.ndarray, kind=_I32P):
+    return arr.ctypes.data_as(kind)
+
+
+def _loops(loops: Optional[int]) -> int:
+    if loops is None:
+        return _c.LOOPS_DEFAULT
+    return _int(loops, "loops", 1, _I32_MAX)
+
+
+class _Call:
+    """The converted arguments of one generation call (kept alive while C uses them)."""
+
+    def __init__(
+        self,
+        tokens: Tokens,
+        max_tokens: int,
+        loops: Optional[int],
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: Optional[int],
+        stop: Optional[Iterable[int]],
+    ):
+        self.tokens = _tokens(tokens)
+        p = _c.GenerateParams()
+        _check(_dll.tl_generate_default_params(ctypes.byref(p)), "generate")
+        p.max_tokens = _int(max_tokens, "max_tokens", 0, _U32_MAX)
+        p.loops = _loops(loops)
+        p.temperature = float(temperature)
+        p.top_k = _int(top_k, "top_k", 0, _U32_MAX)
+        p.top_p = float(top_p)
+        if seed is None:
+            # Greedy decoding ignores the seed; sampling draws one from Python's `random`, so
+            # `random.seed(...)` makes sampled output reproducible.
+            seed = random.getrandbits(64) if p.temperature != 0.0 else 0
+        p.seed = _int(seed, "seed", 0, 2**64 - 1)
+        self.stop = _tokens([] if stop is None else list(stop), "stop")
+        if self.stop.size:
+            p.stop_tokens = _ptr(self.stop)
+            p.n_stop_tokens = self.stop.size
+        self.params = p
+
+    def args(self):
+        return (_ptr(self.tokens), self.tokens.size, ctypes.byref(self.params))
+
+
+# --------------------------------------------------------------------------------------------
+# Handles
+
+
+class _Handle:
+    """A C handle shared by threads: calls hold it active; close() releases the native
+    resources (cancelling a running call) and the handle is freed once no call is active."""
+
+    def __init__(self, ptr: int, what: str, close_fn, free_fn):
+        self._ptr = ptr
+        self._what = what
+        self._close_fn = close_fn
+        self._free_fn = free_fn
+        self._lock = threading.Lock()
+        self._active = 0
+        self._closed = False
+        #: Set when close() starts: stream callbacks then stop waiting for their consumer.
+        self.closing = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def acquire(self, method: str) -> int:
+        with self._lock:
+            if self._closed:
+                raise _closed(method, self._what)
+            self._active += 1
+            return self._ptr
+
+    def release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if not (self._closed and self._active == 0 and self._ptr is not None):
+                return
+            ptr, self._ptr = self._ptr, None
+        self._free_fn(ptr)
+
+    def close(self) -> None:
+        self.closing.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._active += 1  # close itself uses the pointer below
+            ptr = self._ptr
+        try:
+            self._close_fn(ptr)
+        finally:
+            self.release()
+
+
+class _Runner:
+    """Calls shared by Model (default session) and Session."""
+
+    _what = "model"
+    _fn: Dict[str, str] = {}
+
+    def __init__(self) -> None:
+        self._h: Optional[_Handle] = None
+
+    def _handle(self, method: str) -> _Handle:
+        if self._h is None:
+            raise _closed(method, self._what)
+        return self._h
+
+    def _run(self, method: str, fn_key: str, *args) -> None:
+        h = self._handle(method)
+        ptr = h.acquire(method)
+        try:
+            _check(getattr(_dll, self._fn[fn_key])(ptr, *args), method, self._what)
+        finally:
+            h.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None or self._h.closed
+
+    def close(self) -> None:
+        """Release the native resources. Idempotent. A call running in another thread is
+        cancelled first; every later call raises :class:`ClosedError` (a RuntimeError)."""
+        if self._h is not None:
+            self._h.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    def cancel(self) -> None:
+        """Stop the generation running in another thread at its next token; it then raises
+        :class:`CancelledError`. Does nothing when no call is running."""
+        self._run("cancel", "cancel")
+
+    def generate(
+        self,
+        tokens: Tokens,
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+    ) -> np.ndarray:
+        """Generate up to ``max_tokens`` tokens after ``tokens``; returns only the new tokens
+        (np.int32), without the stop token that ended generation, if any."""
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
+        n = ctypes.c_size_t(0)
+        self._run(
+            "generate", "generate", *call.args(), _ptr(out), out.size, ctypes.byref(n)
+        )
+        return out[: n.value].copy()
+
+    def generate_stream(
+        self,
+        tokens: Tokens,
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+    ) -> Iterator[int]:
+        """Like :meth:`generate`, yielding each token (an int) as soon as it exists. Arguments
+        are checked now; generation starts at the first ``next()``. Leaving the loop early
+        stops generation after at most one more token."""
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        h = self._handle("generate_stream")
+        if h.closed:
+            raise _closed("generate_stream", self._what)
+        return self._stream(h, call)
+
+    def _stream(self, h: _Handle, call: _Call) -> Iterator[int]:
+        ptr = h.acquire("generate_stream")
+        # A one-slot queue: generation runs at most a token or two ahead of the consumer and
+        # holds the session until the consumer is done (or leaves the loop).
+        tokens: "queue.Queue[object]" = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        done = object()
+        failure = []
+
+        def hand_over(item: object) -> bool:
+            while not (stop.is_set() or h.closing.is_set()):
+                try:
+                    tokens.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def on_token(token: int, _user_data) -> bool:
+            return hand_over(int(token))
+
+        callback = _c.TOKEN_CALLBACK(on_token)
+        fn = getattr(_dll, self._fn["generate_stream"])
+
+        def worker() -> None:
+            try:
+                status = fn(ptr, *call.args(), callback, None)
+                if h.closing.is_set():
+                    raise ClosedError(
+                        f"generate_stream() interrupted: the {self._what} was closed",
+                        _c.TL_ERR_CLOSED,
+                    )
+                _check(status, "generate_stream", self._what)
+            except BaseException as e:  # handed to the consumer
+                failure.append(e)
+            finally:
+                hand_over(done)
+
+        thread = threading.Thread(target=worker, name="tinyloop-stream", daemon=True)
+        try:
+            thread.start()
+            while True:
+                try:
+                    item = tokens.get(timeout=0.05)
+                except queue.Empty:
+                    if thread.is_alive():
+                        continue
+                    break  # the worker ended without handing over `done` (closing)
+                if item is done:
+                    break
+                yield item  # type: ignore[misc]
+            thread.join()
+            if failure:
+                raise failure[0]
+        finally:
+            stop.set()
+            if thread.ident is not None:
+                thread.join()
+            h.release()
+
+    def score_last(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
+        """Logits ``[vocab_size]`` (np.float32) at the last position of ``tokens``."""
+        arr = _tokens(tokens)
+        out = np.empty(self._vocab("score_last"), dtype=np.float32)
+        n = ctypes.c_size_t(0)
+        self._run(
+            "score_last", "score_last", _ptr(arr), arr.size, _loops(loops),
+            _ptr(out, _F32P), out.size, ctypes.byref(n),
+        )
+        return out
+
+    def score(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
+        """Logits ``[len(tokens), vocab_size]`` (np.float32) for every position."""
+        arr = _tokens(tokens)
+        vocab = self._vocab("score")
+        out = np.empty((max(arr.size, 1), vocab), dtype=np.float32)
+        n = ctypes.c_size_t(0)
+        self._run(
+            "score", "score", _ptr(arr), arr.size, _loops(loops),
+            _ptr(out, _F32P), out.size, ctypes.byref(n),
+        )
+        return out[: arr.size]
+
+    def logprobs(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
+        """``log p(tokens[i+1] | tokens[:i+1])`` for every i < len(tokens) - 1 (np.float32)."""
+        arr = _tokens(tokens)
+        out = np.empty(max(arr.size - 1, 1), dtype=np.float32)
+        n = ctypes.c_size_t(0)
+        self._run(
+            "logprobs", "logprobs", _ptr(arr), arr.size, _loops(loops),
+            _ptr(out, _F32P), out.size, ctypes.byref(n),
+        )
+        return out[: n.value]
+
+    def _vocab(self, method: str) -> int:
+        raise NotImplementedError
+
+
+class Model(_Runner):
+    """Weights of one ``.tinyloop`` file on one device, plus a default session.
+
+    :param path: the ``.tinyloop`` file.
+    :param max_seq_len: upper bound on prompt + generated tokens (> 0, else ValueError).
+    :param prefill_chunk: when > 0, prompts longer than this are prefilled in chunks and score
+        calls accept at most this many tokens; 0 sizes buffers to ``max_seq_len``.
+    :param device: "auto", "cpu", "cuda" or "cuda:N"; None uses ``TINYLOOP_DEVICE``, or
+        "auto" when that is unset.
+    :param max_loops: the largest ``loops`` a call may ask for.
+    :param log: print the load log on stderr.
+    :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
+        is unusable; the message names the failure point.
+    :raises ValueError: ``max_seq_len <= 0`` (and other invalid arguments).
+    """
+
+    _fn = {
+        "generate": "tl_generate",
+        "generate_stream": "tl_generate_stream",
+        "score_last": "tl_score_last",
+        "score": "tl_score",
+        "logprobs": "tl_logprobs",
+        "cancel": "tl_cancel",
+    }
+
+    def __init__(
+        self,
+        path: Union[str, "os.PathLike[str]"],
+        max_seq_len: int = 2048,
+        prefill_chunk: int = 0,
+        device: Optional[str] = None,
+        max_loops: int = 64,
+        log: bool = True,
+    ):
+        super().__init__()
+        self._config: Optional[Dict[str, Any]] = None
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral):
+            raise TypeError(f"max_seq_len must be an int, got {type(max_seq_len).__name__}")
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
+        params = _c.ModelParams()
+        _check(_dll.tl_model_default_params(ctypes.byref(params)), "Model")
+        params.max_seq_len = _int(max_seq_len, "max_seq_len", 1, _U32_MAX)
+        params.prefill_chunk = _int(prefill_chunk, "prefill_chunk", 0, _U32_MAX)
+        params.max_loops = _int(max_loops, "max_loops", 1, _U32_MAX)
+        params.log = bool(log)
+        device_bytes = None if device is None else str(device).encode("utf-8")
+        params.device = device_bytes
+        handle = ctypes.c_void_p()
+        _check(
+            _dll.tl_model_open(os.fsencode(os.fspath(path)), ctypes.byref(params),
+                               ctypes.byref(handle)),
+            "Model",
+        )
+        self.path = os.fspath(path)
+        self._h = _Handle(handle.value, "model", _dll.tl_close, _dll.tl_model_free)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<tinyloop_py.Model {self.path!r} ({state})>"
+
+    def config(self) -> Dict[str, Any]:
+        """The static architecture from the file header: ``dim, n_heads, ffn_dim, vocab_size,
+        embed_factor_dim, n_pre_blocks, default_loops`` plus ``n_kv_heads, n_loop_blocks,
+        n_post_blocks, norm, norm_eps, rope_theta, max_position, head``."""
+        cfg = _c.Config()
+        cfg.struct_size = ctypes.sizeof(_c.Config)
+        self._run_model("config", _dll.tl_model_config, ctypes.byref(cfg))
+        keys = [
+            "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "embed_factor_dim",
+            "n_pre_blocks", "n_loop_blocks", "n_post_blocks", "default_loops", "norm_eps",
+            "rope_theta", "max_position",
+        ]
+        out: Dict[str, Any] = {k: getattr(cfg, k) for k in keys}
+        out["norm"] = cfg.norm.decode()
+        out["head"] = cfg.head.decode()
+        self._config = out
+        return dict(out)
+
+    def vram_usage_mb(self) -> float:
+        """Device memory held by the weights and every live session, in MB (10^6 bytes)."""
+        mb = ctypes.c_double(0.0)
+        self._run_model("vram_usage_mb", _dll.tl_vram_usage_mb, ctypes.byref(mb))
+        return float(mb.value)
+
+    @property
+    def device(self) -> str:
+        """The device the weights live on, in words."""
+        n = ctypes.c_size_t(0)
+        buf = ctypes.create_string_buffer(256)
+        self._run_model("device", _dll.tl_model_device, buf, ctypes.sizeof(buf), ctypes.byref(n))
+        return buf.value.decode("utf-8", "replace")
+
+    def new_session(self) -> "Session":
+        """A new session (own buffers and KV cache) over this model's weights; use one per
+        thread for concurrent generation. It keeps the weights alive until it is closed."""
+        out = ctypes.c_void_p()
+        self._run_model("new_session", _dll.tl_session_new, ctypes.byref(out))
+        return Session(out.value, self)
+
+    def _run_model(self, method: str, fn, *args) -> None:
+        h = self._handle(method)
+        ptr = h.acquire(method)
+        try:
+            _check(fn(ptr, *args), method)
+        finally:
+            h.release()
+
+    def _vocab(self, method: str) -> int:
+        if self._config is None:
+            if self.closed:
+                raise _closed(method, "model")
+            self.config()
+        assert self._config is not None
+        return int(self._config["vocab_size"])
+
+
+class Session(_Runner):
+    """One sequence's buffers and KV cache over a :class:`Model`'s shared weights. Use from one
+    thread at a time (a concurrent call raises :class:`BusyError`)."""
+
+    _what = "session"
+    _fn = {
+        "generate": "tl_session_generate",
+        "generate_stream": "tl_session_generate_stream",
+        "score_last": "tl_session_score_last",
+        "score": "tl_session_score",
+        "logprobs": "tl_session_logprobs",
+        "cancel": "tl_session_cancel",
+    }
+
+    def __init__(self, ptr: int, model: Model):
+        super().__init__()
+        self._vocab_size = model._vocab("new_session")
+        self._h = _Handle(ptr, "session", _dll.tl_session_cancel, _dll.tl_session_free)
+
+    def _vocab(self, method: str) -> int:
+        return self._vocab_size
+
+
+def load(path: Union[str, "os.PathLike[str]"], **kwargs: Any) -> Model:
+    """Alias of :class:`Model` (``load(path, max_seq_len=...)``)."""
+    return Model(path, **kwargs)

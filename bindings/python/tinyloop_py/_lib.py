@@ -1,0 +1,203 @@
+"""Loading libtinyloop and declaring its C ABI (include/tinyloop.h) for ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+#: The C ABI version these declarations describe (TL_ABI_VERSION in include/tinyloop.h).
+ABI_VERSION = 1
+#: TL_LOOPS_DEFAULT: a loops value selecting the model's default_loops.
+LOOPS_DEFAULT = -1
+
+STATUS_NAMES = {
+    0: "TL_OK",
+    1: "TL_ERR_INVALID_ARGUMENT",
+    2: "TL_ERR_IO",
+    3: "TL_ERR_FORMAT",
+    4: "TL_ERR_OUT_OF_MEMORY",
+    5: "TL_ERR_DEVICE",
+    6: "TL_ERR_CLOSED",
+    7: "TL_ERR_BUSY",
+    8: "TL_ERR_CANCELLED",
+    9: "TL_ERR_PANIC",
+    10: "TL_ERR_BUFFER_TOO_SMALL",
+}
+TL_OK = 0
+TL_ERR_INVALID_ARGUMENT = 1
+TL_ERR_CLOSED = 6
+TL_ERR_BUSY = 7
+TL_ERR_CANCELLED = 8
+TL_ERR_BUFFER_TOO_SMALL = 10
+
+if sys.platform == "darwin":
+    LIB_NAMES = ["libtinyloop.dylib"]
+elif sys.platform == "win32":
+    LIB_NAMES = ["tinyloop.dll"]
+else:
+    LIB_NAMES = ["libtinyloop.so"]
+
+
+class ModelParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("max_seq_len", ctypes.c_uint32),
+        ("prefill_chunk", ctypes.c_uint32),
+        ("device", ctypes.c_char_p),
+        ("max_loops", ctypes.c_uint32),
+        ("log", ctypes.c_bool),
+    ]
+
+
+class GenerateParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("max_tokens", ctypes.c_uint32),
+        ("loops", ctypes.c_int32),
+        ("temperature", ctypes.c_float),
+        ("top_k", ctypes.c_uint32),
+        ("top_p", ctypes.c_float),
+        ("seed", ctypes.c_uint64),
+        ("stop_tokens", ctypes.POINTER(ctypes.c_int32)),
+        ("n_stop_tokens", ctypes.c_size_t),
+    ]
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dim", ctypes.c_uint32),
+        ("n_heads", ctypes.c_uint32),
+        ("n_kv_heads", ctypes.c_uint32),
+        ("ffn_dim", ctypes.c_uint32),
+        ("vocab_size", ctypes.c_uint32),
+        ("embed_factor_dim", ctypes.c_uint32),
+        ("n_pre_blocks", ctypes.c_uint32),
+        ("n_loop_blocks", ctypes.c_uint32),
+        ("n_post_blocks", ctypes.c_uint32),
+        ("default_loops", ctypes.c_uint32),
+        ("norm", ctypes.c_char_p),
+        ("norm_eps", ctypes.c_double),
+        ("rope_theta", ctypes.c_double),
+        ("max_position", ctypes.c_uint32),
+        ("head", ctypes.c_char_p),
+        ("max_seq_len", ctypes.c_uint32),
+        ("prefill_chunk", ctypes.c_uint32),
+        ("max_loops", ctypes.c_uint32),
+    ]
+
+
+#: tl_token_callback: bool (*)(int32_t token, void *user_data)
+TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int32, ctypes.c_void_p)
+
+_status = ctypes.c_int
+_p = ctypes.c_void_p
+_i32p = ctypes.POINTER(ctypes.c_int32)
+_f32p = ctypes.POINTER(ctypes.c_float)
+_sizep = ctypes.POINTER(ctypes.c_size_t)
+_size = ctypes.c_size_t
+
+_SIGNATURES = {
+    "tl_abi_version": (ctypes.c_uint32, []),
+    "tl_status_string": (ctypes.c_char_p, [ctypes.c_int32]),
+    "tl_last_error_message": (ctypes.c_char_p, []),
+    "tl_model_default_params": (_status, [ctypes.POINTER(ModelParams)]),
+    "tl_generate_default_params": (_status, [ctypes.POINTER(GenerateParams)]),
+    "tl_model_open": (_status, [ctypes.c_char_p, ctypes.POINTER(ModelParams), ctypes.POINTER(_p)]),
+    "tl_close": (_status, [_p]),
+    "tl_model_free": (None, [_p]),
+    "tl_cancel": (_status, [_p]),
+    "tl_model_config": (_status, [_p, ctypes.POINTER(Config)]),
+    "tl_vram_usage_mb": (_status, [_p, ctypes.POINTER(ctypes.c_double)]),
+    "tl_model_device": (_status, [_p, ctypes.c_char_p, _size, _sizep]),
+    "tl_generate": (
+        _status,
+        [_p, _i32p, _size, ctypes.POINTER(GenerateParams), _i32p, _size, _sizep],
+    ),
+    "tl_generate_stream": (
+        _status,
+        [_p, _i32p, _size, ctypes.POINTER(GenerateParams), TOKEN_CALLBACK, _p],
+    ),
+    "tl_score_last": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_session_new": (_status, [_p, ctypes.POINTER(_p)]),
+    "tl_session_free": (None, [_p]),
+    "tl_session_cancel": (_status, [_p]),
+    "tl_session_generate": (
+        _status,
+        [_p, _i32p, _size, ctypes.POINTER(GenerateParams), _i32p, _size, _sizep],
+    ),
+    "tl_session_generate_stream": (
+        _status,
+        [_p, _i32p, _size, ctypes.POINTER(GenerateParams), TOKEN_CALLBACK, _p],
+    ),
+    "tl_session_score_last": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_session_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_session_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+}
+
+
+def candidate_paths(env: Optional[dict] = None, cwd: Optional[Path] = None) -> List[Path]:
+    """Where the library is looked for, in order (see the package README)."""
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    found: List[Path] = []
+    explicit = env.get("TINYLOOP_LIB")
+    if explicit:
+        p = Path(explicit)
+        found.extend([p / n for n in LIB_NAMES] if p.is_dir() else [p])
+    package_dir = Path(__file__).resolve().parent
+    found.extend(package_dir / n for n in LIB_NAMES)
+    for start in (cwd.resolve(), package_dir):
+        for folder in [start, *start.parents]:
+            for profile in ("release", "debug"):
+                found.extend(folder / "target" / profile / n for n in LIB_NAMES)
+    return found
+
+
+def load_library() -> ctypes.CDLL:
+    """Load libtinyloop, declare its functions, and check the ABI version."""
+    explicit = os.environ.get("TINYLOOP_LIB")
+    lib = None
+    if explicit:
+        # An explicit choice is never second-guessed: it loads or the import fails.
+        path = candidate_paths()[0]
+        if not path.is_file():
+            raise ImportError(f"tinyloop_py: TINYLOOP_LIB={explicit}: no library file at {path}")
+        lib = ctypes.CDLL(str(path))
+    else:
+        errors = []
+        for path in candidate_paths():
+            if path.is_file():
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    break
+                except OSError as e:  # e.g. another architecture; try the next candidate
+                    errors.append(f"{path}: {e}")
+        if lib is None:
+            system = ctypes.util.find_library("tinyloop")
+            if system:
+                lib = ctypes.CDLL(system)
+        if lib is None:
+            raise ImportError(
+                "tinyloop_py: cannot find libtinyloop; build it with `cargo build --release` "
+                "or set TINYLOOP_LIB to its path" + "".join("\n  " + e for e in errors)
+            )
+    lib.tl_abi_version.restype = ctypes.c_uint32
+    lib.tl_abi_version.argtypes = []
+    version = lib.tl_abi_version()
+    if version != ABI_VERSION:
+        raise ImportError(
+            f"tinyloop_py: {lib._name} implements C ABI version {version}, this binding needs "
+            f"{ABI_VERSION}; rebuild the library or reinstall the binding"
+        )
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib

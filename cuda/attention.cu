@@ -1,0 +1,203 @@
+// Causal attention over the f16 KV cache, for prefill and decode.
+//
+// grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..start_pos + r, read
+// from the step block in device memory (so a captured decode graph replays at any position).
+// With splits > 1 (decode) each block takes one slice of the positions and writes a partial
+// (max, sum, un-normalized output); the last of the split blocks to finish merges them
+// (flash-decoding, with the combine fused through a ticket counter).
+//
+// Inside a block each warp takes 32 positions at a time, one per lane: the lane computes q . k
+// for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
+// then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
+// f16 once, after the final division, like the CPU reference.
+#include "common.cuh"
+
+#define ATT_THREADS 128
+#define ATT_WARPS (ATT_THREADS / 32)
+#define ATT_MAX_HD 256
+
+// Merge `splits` partials (max, sum, un-normalized output) of one (row, head) into `out` (hd
+// values), by the calling block (at most 128 splits). Reads go to L2 (__ldcg): the partials were
+// written by other blocks. The order of additions is fixed (split 0 first).
+DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
+    __shared__ float weight[128], sm[128], sl[128];
+    __shared__ float total;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        sm[s] = __ldcg(P + s * (hd + 2));
+        sl[s] = __ldcg(P + s * (hd + 2) + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = NEG_INF;
+        for (int s = 0; s < splits; s++)
+            if (sl[s] > 0.0f) M = fmaxf(M, sm[s]);
+        float L = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float w = sl[s] > 0.0f ? expf(sm[s] - M) : 0.0f;
+            weight[s] = w;
+            L += sl[s] * w;
+        }
+        total = L;
+    }
+    __syncthreads();
+    const float L = total;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < splits; s++) {
+            const float w = weight[s];
+            const float v = __ldcg(P + s * (hd + 2) + 2 + d);
+            if (w != 0.0f) a += v * w;
+        }
+        out[d] = f32_to_f16(__fdiv_rn(a, L));
+    }
+}
+
+template <int DJ> // head dimensions per lane: hd <= 32 * DJ
+DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
+                   int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
+                   const f16_t* __restrict__ vc, int slot, int capacity, int splits,
+                   f16_t* __restrict__ out, float* partial, int* tickets) {
+    __shared__ __align__(16) float sq[ATT_MAX_HD];
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][32 * DJ];
+    const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
+    const int total = step[STEP_START_POS] + r + 1;
+    const int per = (((total + splits - 1) / splits) + 31) & ~31;
+    const int t_begin = s * per;
+    const int t_end = min(total, t_begin + per);
+    const int kvh = h / (n_heads / n_kv_heads);
+    const size_t base = (size_t)slot * capacity * kv_dim + (size_t)kvh * hd;
+    const f16_t* K = kc + base;
+    const f16_t* V = vc + base;
+    const float* q = qkv + (size_t)r * (q_dim + 2 * kv_dim) + (size_t)h * hd;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
+    __syncthreads();
+
+    float m = NEG_INF, l = 0.0f;
+    float acc[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
+    const bool vec = (hd & 7) == 0;
+    for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
+        const int t = t0 + lane;
+        float score = NEG_INF;
+        if (t < t_end) {
+            const f16_t* k = K + (size_t)t * kv_dim;
+            float dot = 0.0f;
+            if (vec) {
+                // All of the row's 16-byte loads first (hd <= 32 * DJ), then the products.
+                uint4 kk[4 * DJ];
+#pragma unroll
+                for (int c = 0; c < 4 * DJ; c++)
+                    kk[c] = 8 * c < hd ? *(const uint4*)(k + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int c = 0; c < 4 * DJ; c++) {
+                    if (8 * c >= hd) break;
+                    const float4 qa = *(const float4*)(sq + 8 * c);
+                    const float4 qb = *(const float4*)(sq + 8 * c + 4);
+                    dot = fmaf(qa.x, lo_f16(kk[c].x), dot);
+                    dot = fmaf(qa.y, hi_f16(kk[c].x), dot);
+                    dot = fmaf(qa.z, lo_f16(kk[c].y), dot);
+                    dot = fmaf(qa.w, hi_f16(kk[c].y), dot);
+                    dot = fmaf(qb.x, lo_f16(kk[c].z), dot);
+                    dot = fmaf(qb.y, hi_f16(kk[c].z), dot);
+                    dot = fmaf(qb.z, lo_f16(kk[c].w), dot);
+                    dot = fmaf(qb.w, hi_f16(kk[c].w), dot);
+                }
+            } else {
+                for (int d = 0; d < hd; d++) dot = fmaf(sq[d], f16_to_f32(k[d]), dot);
+            }
+            score = __fmul_rn(dot, scale);
+        }
+        const float m_new = fmaxf(m, warp_max(score));
+        const float p = t < t_end ? expf(score - m_new) : 0.0f;
+        const float corr = expf(m - m_new);
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int j = 0; j < DJ; j++) acc[j] *= corr;
+        const int count = min(32, t_end - t0);
+        // p * v over the chunk's positions, eight positions' loads in flight at a time.
+        for (int j0 = 0; j0 < count; j0 += 8) {
+            f16_t v[8][DJ];
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const f16_t* vr = V + (size_t)(t0 + j0 + jj) * kv_dim;
+#pragma unroll
+                for (int j = 0; j < DJ; j++) {
+                    const int d = lane + 32 * j;
+                    v[jj][j] = (j0 + jj < count && d < hd) ? vr[d] : (f16_t)0;
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, p, (j0 + jj) & 31);
+                if (j0 + jj < count) {
+#pragma unroll
+                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, f16_to_f32(v[jj][j]), acc[j]);
+                }
+            }
+        }
+        m = m_new;
+    }
+
+    // Merge the warps of the block.
+    if (lane == 0) {
+        sm[warp] = m;
+        sl[warp] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < DJ; j++) sacc[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (sl[w] > 0.0f) M = fmaxf(M, sm[w]);
+    float L = 0.0f;
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (sl[w] > 0.0f) L += sl[w] * expf(sm[w] - M);
+    float* P = splits > 1 ? partial + (((size_t)r * n_heads + h) * splits + s) * (hd + 2) : nullptr;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (sl[w] > 0.0f) a += sacc[w][d] * expf(sm[w] - M);
+        if (splits == 1) {
+            out[(size_t)r * q_dim + (size_t)h * hd + d] = f32_to_f16(__fdiv_rn(a, L));
+        } else {
+            P[2 + d] = a;
+        }
+    }
+    if (splits == 1) return;
+    // Publish this split's partial; the last split block of (row, head) to finish merges them
+    // (ticket taken after a fence), so no separate combine launch is needed.
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        P[0] = M;
+        P[1] = L;
+    }
+    __threadfence();
+    __syncthreads();
+    int* ticket = tickets + (size_t)r * n_heads + h;
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    combine_splits(partial + ((size_t)r * n_heads + h) * splits * (hd + 2), hd, splits,
+                   out + (size_t)r * q_dim + (size_t)h * hd);
+    if (threadIdx.x == 0) *ticket = 0;
+}
+
+#define ATTENTION_KERNEL(DJ)                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
+        const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
+        const f16_t* kc, const f16_t* vc, int slot, int capacity, int splits, f16_t* out,          \
+        float* partial, int* tickets) {                                                            \
+        attention<DJ>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, capacity, splits,   \
+                      out, partial, tickets);                                                      \
+    }
+
+ATTENTION_KERNEL(1)
+ATTENTION_KERNEL(2)
+ATTENTION_KERNEL(4)
+ATTENTION_KERNEL(8)

@@ -1,0 +1,112 @@
+// Shared definitions of the TinyLoop CUDA kernels.
+//
+// The kernels include no CUDA header: f16 values travel as raw 16-bit words and are converted
+// with PTX `cvt`, so NVRTC needs nothing but its built-ins at run time.
+//
+// Numerics contract (docs/FORMAT.md "Numerics"): f32 residual stream, linear outputs, scores and
+// logits; f16 inputs of every linear layer; quantized weights dequantized as scale * q + zero and
+// accumulated in f32. Elementwise epilogues use the explicitly rounded intrinsics (__fmul_rn,
+// __fadd_rn, ...) so that they round exactly like the CPU reference, which never fuses.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short f16_t; // raw IEEE binary16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define DEV static __device__ __forceinline__
+
+// Layout of a session's step block in device memory (src/backend/cuda/mod.rs, `StepLayout`).
+#define STEP_START_POS 0
+#define STEP_ROWS 1
+#define STEP_RESULT 2
+#define STEP_TOKENS 4
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+DEV float f16_to_f32(f16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+DEV f16_t f32_to_f16(float f) {
+    f16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// The value an f16 buffer would hold.
+DEV float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
+
+DEV float lo_f16(u32 w) { return f16_to_f32((f16_t)(w & 0xffffu)); }
+DEV float hi_f16(u32 w) { return f16_to_f32((f16_t)(w >> 16)); }
+
+// An integer code 0..255 as f32, exactly, without the quarter-rate I2F instruction.
+DEV float code_f32(u32 q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
+
+// L2 policy for weight loads. Streamed weights are read once per token (pre and post blocks,
+// head): evict-first, so that the loop body, re-read L times per token and loaded evict-last,
+// stays resident in L2. Weights bypass L1 either way.
+DEV u64 l2_policy(bool stream) {
+    u64 p;
+    if (stream) {
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    } else {
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    }
+    return p;
+}
+
+// 16-, 8- and 4-byte read-only weight loads under an L2 policy.
+DEV uint4 ld_w16(const void* p, u64 policy) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+    return v;
+}
+
+DEV uint2 ld_w8(const void* p, u64 policy) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
+        : "=r"(v.x), "=r"(v.y)
+        : "l"(p), "l"(policy));
+    return v;
+}
+
+DEV u32 ld_w4(const void* p, u64 policy) {
+    u32 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(policy));
+    return v;
+}
+
+// silu(g) * u, rounded like the CPU reference: g / (1 + e^-g) * u.
+DEV float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+
+DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread gets
+// the total. `scratch` holds 32 floats. The order of additions is fixed, so results are
+// deterministic.
+DEV float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}

@@ -1,0 +1,267 @@
+// Row-wise and elementwise kernels: embedding, norms, RoPE + KV write, residual add, f16 rounding,
+// SwiGLU, argmax. Each rounds exactly where the CPU reference rounds (src/backend/cpu).
+#include "common.cuh"
+
+// out[r] = table[token_r] for the staged tokens (f32 output). grid (rows, ceil(width / 256)).
+extern "C" __global__ void embed_f32(const f16_t* __restrict__ table, const int* __restrict__ step,
+                                     int vocab, int width, float* __restrict__ out) {
+    const int r = blockIdx.x, i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    const int token = step[STEP_TOKENS + r];
+    const bool ok = token >= 0 && token < vocab;
+    out[(size_t)r * width + i] = ok ? f16_to_f32(table[(size_t)token * width + i]) : 0.0f;
+}
+
+// Same, f16 output (input of a factorized embedding projection).
+extern "C" __global__ void embed_f16(const f16_t* __restrict__ table, const int* __restrict__ step,
+                                     int vocab, int width, f16_t* __restrict__ out) {
+    const int r = blockIdx.x, i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= width) return;
+    const int token = step[STEP_TOKENS + r];
+    const bool ok = token >= 0 && token < vocab;
+    out[(size_t)r * width + i] = ok ? table[(size_t)token * width + i] : (f16_t)0;
+}
+
+// out = (x - mean) * inv * w + b for 4 values, rounded to f16 and packed.
+DEV uint2 norm4(float4 x, uint2 w, uint2 b, float mean, float inv, bool has_bias) {
+    const float xs[4] = {x.x, x.y, x.z, x.w};
+    const float ws[4] = {lo_f16(w.x), hi_f16(w.x), lo_f16(w.y), hi_f16(w.y)};
+    const float bs[4] = {lo_f16(b.x), hi_f16(b.x), lo_f16(b.y), hi_f16(b.y)};
+    f16_t o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float v = __fmul_rn(__fmul_rn(__fsub_rn(xs[j], mean), inv), ws[j]);
+        o[j] = f32_to_f16(__fadd_rn(v, has_bias ? bs[j] : 0.0f));
+    }
+    return make_uint2((u32)o[0] | ((u32)o[1] << 16), (u32)o[2] | ((u32)o[3] << 16));
+}
+
+// RMSNorm or LayerNorm of one row per block, rounded to f16:
+// out = (x - mean) * inv * w + b with inv = 1 / sqrt(var + eps) (mean = 0, b = 0 for RMSNorm).
+// Rows of up to 8 values per thread (d a multiple of 4) stay in registers, with every load
+// issued up front; longer rows are staged in shared memory (d floats, dynamic).
+extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int layer_norm, float eps,
+                                     const f16_t* __restrict__ w, const f16_t* __restrict__ b,
+                                     int has_bias, f16_t* __restrict__ out) {
+    extern __shared__ __align__(16) float srow[];
+    __shared__ float scratch[32];
+    const float* row = x + (size_t)blockIdx.x * d;
+    f16_t* dst = out + (size_t)blockIdx.x * d;
+    const float n = (float)d;
+    if ((d & 3) == 0 && d <= 8 * (int)blockDim.x) {
+        const int nch = d >> 2;
+        float4 xv[2];
+        uint2 wv[2], bv[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int c = threadIdx.x + j * blockDim.x;
+            xv[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            wv[j] = bv[j] = make_uint2(0u, 0u);
+            if (c < nch) {
+                xv[j] = ((const float4*)row)[c];
+                wv[j] = ((const uint2*)w)[c];
+                if (has_bias) bv[j] = ((const uint2*)b)[c];
+            }
+        }
+        float mean = 0.0f;
+        if (layer_norm) {
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 2; j++) s += (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
+            mean = __fdiv_rn(block_sum(s, scratch), n);
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (threadIdx.x + j * blockDim.x < nch) {
+                const float e[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float v = __fsub_rn(e[k], mean);
+                    ss = fmaf(v, v, ss);
+                }
+            }
+        }
+        const float var = __fdiv_rn(block_sum(ss, scratch), n);
+        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int c = threadIdx.x + j * blockDim.x;
+            if (c < nch) ((uint2*)dst)[c] = norm4(xv[j], wv[j], bv[j], mean, inv, has_bias != 0);
+        }
+        return;
+    }
+    if ((d & 3) == 0) {
+        const float4* src = (const float4*)row;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) ((float4*)srow)[i] = src[i];
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < d; i += blockDim.x) srow[i] = row[i];
+    }
+    __syncthreads();
+    float mean = 0.0f;
+    if (layer_norm) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) s += srow[i];
+        mean = __fdiv_rn(block_sum(s, scratch), n);
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = __fsub_rn(srow[i], mean);
+        ss = fmaf(v, v, ss);
+    }
+    const float var = __fdiv_rn(block_sum(ss, scratch), n);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+#pragma unroll 4
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
+        const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
+        dst[i] = f32_to_f16(__fadd_rn(v, bias));
+    }
+}
+
+// Rotate the Q and K heads of each row at its position (pairs (i, i + hd/2)), then write K and V,
+// rounded to f16, into `slot` of the cache. grid (rows, ceil(work / blockDim.x)): one pair or one
+// V element per thread, so every thread waits for one round of loads only.
+extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restrict__ step,
+                                   int n_heads, int n_kv_heads, int hd,
+                                   const float* __restrict__ rope, f16_t* __restrict__ kc,
+                                   f16_t* __restrict__ vc, int slot, int capacity) {
+    const int r = blockIdx.x;
+    const int p = blockIdx.y * blockDim.x + threadIdx.x;
+    const int pos = step[STEP_START_POS] + r;
+    const int half = hd / 2;
+    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
+    float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
+    const size_t at = ((size_t)slot * capacity + pos) * kv_dim;
+    const int pairs = (n_heads + n_kv_heads) * half;
+    if (p < pairs) {
+        const int head = p / half, i = p - head * half;
+        float* h = row + head * hd;
+        const float* table = rope + (size_t)pos * hd;
+        const float c = table[2 * i], s = table[2 * i + 1];
+        const float a = h[i], b = h[i + half];
+        const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        h[i] = ra;
+        h[i + half] = rb;
+        if (head >= n_heads) {
+            f16_t* k = kc + at + (size_t)(head - n_heads) * hd;
+            k[i] = f32_to_f16(ra);
+            k[i + half] = f32_to_f16(rb);
+        }
+    } else if (p < pairs + kv_dim) {
+        const int i = p - pairs;
+        vc[at + i] = f32_to_f16(row[q_dim + kv_dim + i]);
+    }
+}
+
+// acc += x over `len` values.
+extern "C" __global__ void add_f32(float* __restrict__ acc, const float* __restrict__ x, int len) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
+        acc[i] = __fadd_rn(acc[i], x[i]);
+}
+
+// out = f16(x) over `len` values.
+extern "C" __global__ void to_half(const float* __restrict__ x, int len, f16_t* __restrict__ out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
+        out[i] = f32_to_f16(x[i]);
+}
+
+// out = f16(silu(gate) * up) over `len` values.
+extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
+                                  int len, f16_t* __restrict__ out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
+        out[i] = f32_to_f16(silu_mul(gate[i], up[i]));
+}
+
+// The CPU rule: the largest value wins, the lowest index on ties, NaN never wins (all NaN: 0).
+DEV bool arg_better(float av, int ai, float bv, int bi) {
+    const bool an = isnan(av), bn = isnan(bv);
+    if (an != bn) return bn;
+    if (!an && av != bv) return av > bv;
+    return ai < bi;
+}
+
+// Reduce one (value, index) candidate per thread to the block's best; thread 0 returns it.
+DEV void arg_reduce(float& bv, int& bi, float* sv, int* si) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (arg_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        bv = lane < warps ? sv[lane] : __int_as_float(0x7fffffff);
+        bi = lane < warps ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (arg_better(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+    }
+}
+
+// result[0] = argmax of x[0..len). grid (G <= 256 blocks), 256 threads: block g reduces a
+// contiguous slice to one candidate in part_v/part_i[g]; the last block to finish (a ticket
+// taken after a memory fence) reduces the G candidates and resets the ticket for the next launch.
+// Ties go to the lowest index whichever block finishes last, so the result is deterministic.
+extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, float* part_v,
+                                      int* part_i, int* ticket, int* __restrict__ result) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ bool last;
+    const int per = (len + gridDim.x - 1) / gridDim.x;
+    const int begin = blockIdx.x * per, end = min(len, begin + per);
+    float bv = __int_as_float(0x7fffffff);
+    int bi = 0x7fffffff;
+#pragma unroll 4
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        const float v = x[i];
+        if (arg_better(v, i, bv, bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    arg_reduce(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        part_v[blockIdx.x] = bv;
+        part_i[blockIdx.x] = bi;
+        __threadfence();
+        last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = __int_as_float(0x7fffffff);
+    bi = 0x7fffffff;
+    for (int g = threadIdx.x; g < (int)gridDim.x; g += blockDim.x) {
+        const float v = __ldcg(part_v + g);
+        const int i = __ldcg(part_i + g);
+        if (arg_better(v, i, bv, bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    __syncthreads();
+    arg_reduce(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        result[0] = bi == 0x7fffffff ? 0 : bi;
+        *ticket = 0;
+    }
+}

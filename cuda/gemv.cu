@@ -1,0 +1,308 @@
+// Matrix-vector products for decode: out[r, n] = sum_k x[r, k] * W[n, k] for up to R rows of x.
+//
+// Weights keep the file layout (docs/FORMAT.md): codes row-major, then f16 scales [N, G] and
+// zeros [N, G] (`sz` points at the scales; zeros follow at sz + N * G).
+//
+// Quantized rows are computed in the factored form
+//     sum_k (s_g q_k + z_g) x_k = sum_units s_g * (sum_{k in unit} q_k x_k) + z_g * (sum_{k in unit} x_k)
+// with 32-code units that never straddle a group (the host only picks this kernel when the group
+// size is a multiple of 32). Codes are integers, so every product is exact in f32 and the result
+// equals the contract's f32 dequantize-and-accumulate up to the order of f32 additions.
+//
+// Each block of 256 threads stages x (as f32, unit-major with padding against bank conflicts, the
+// unit sums in the padding) in shared memory, then gives each output row `tpr` threads that walk
+// the row's 16-byte units, four loads in flight, and reduce with shuffles (and shared memory when
+// tpr > 32). The reduction order is fixed, so results are deterministic.
+#include "common.cuh"
+
+#define GEMV_THREADS 256
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 4 // units per lane and batch (plain GEMV; half of it for gate + up)
+#endif
+#ifndef GEMV_MIN_BLOCKS
+#define GEMV_MIN_BLOCKS 1 // blocks per SM the register allocation must allow (launch bounds)
+#endif
+#define QUNIT 32   // codes per unit of a quantized row
+#define QSTRIDE 36 // staged floats per quantized unit: 32 values, their sum, padding
+#define HUNIT 8    // values per 16-byte unit of an f16 row
+#define HSTRIDE 12 // staged floats per f16 unit
+
+// 8 int4 codes of one word against 8 staged values.
+DEV float dot8_q4(u32 w, const float* xs, float acc) {
+    const float4 a = *(const float4*)xs;
+    const float4 b = *(const float4*)(xs + 4);
+    acc = fmaf(code_f32(w & 0xFu), a.x, acc);
+    acc = fmaf(code_f32((w >> 4) & 0xFu), a.y, acc);
+    acc = fmaf(code_f32((w >> 8) & 0xFu), a.z, acc);
+    acc = fmaf(code_f32((w >> 12) & 0xFu), a.w, acc);
+    acc = fmaf(code_f32((w >> 16) & 0xFu), b.x, acc);
+    acc = fmaf(code_f32((w >> 20) & 0xFu), b.y, acc);
+    acc = fmaf(code_f32((w >> 24) & 0xFu), b.z, acc);
+    acc = fmaf(code_f32(w >> 28), b.w, acc);
+    return acc;
+}
+
+// 16 int2 codes of one word against 16 staged values.
+DEV float dot16_q2(u32 w, const float* xs, float acc) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float4 a = *(const float4*)(xs + 4 * i);
+        const u32 v = w >> (8 * i);
+        acc = fmaf(code_f32(v & 3u), a.x, acc);
+        acc = fmaf(code_f32((v >> 2) & 3u), a.y, acc);
+        acc = fmaf(code_f32((v >> 4) & 3u), a.z, acc);
+        acc = fmaf(code_f32((v >> 6) & 3u), a.w, acc);
+    }
+    return acc;
+}
+
+// One unit of weights (`c`: 16 bytes for int4 and f16, the first 8 for int2) against x.
+template <int BITS>
+DEV float unit_dot(uint4 c, const float* xs) {
+    float acc = 0.0f;
+    if (BITS == 4) {
+        acc = dot8_q4(c.x, xs, acc);
+        acc = dot8_q4(c.y, xs + 8, acc);
+        acc = dot8_q4(c.z, xs + 16, acc);
+        acc = dot8_q4(c.w, xs + 24, acc);
+    } else if (BITS == 2) {
+        acc = dot16_q2(c.x, xs, acc);
+        acc = dot16_q2(c.y, xs + 16, acc);
+    } else {
+        const float4 a = *(const float4*)xs;
+        const float4 b = *(const float4*)(xs + 4);
+        acc = fmaf(lo_f16(c.x), a.x, acc);
+        acc = fmaf(hi_f16(c.x), a.y, acc);
+        acc = fmaf(lo_f16(c.y), a.z, acc);
+        acc = fmaf(hi_f16(c.y), a.w, acc);
+        acc = fmaf(lo_f16(c.z), b.x, acc);
+        acc = fmaf(hi_f16(c.z), b.y, acc);
+        acc = fmaf(lo_f16(c.w), b.z, acc);
+        acc = fmaf(hi_f16(c.w), b.w, acc);
+    }
+    return acc;
+}
+
+template <int BITS>
+DEV uint4 load_unit(const u8* p, u64 policy) {
+    if (BITS == 2) {
+        const uint2 v = ld_w8(p, policy);
+        return make_uint4(v.x, v.y, 0u, 0u);
+    }
+    return ld_w16(p, policy);
+}
+
+// Sum `v` over the `tpr` consecutive threads of each row group; the group's first thread gets it.
+DEV float row_sum(float v, int tpr, float* red, int slot, int slots) {
+    const int width = tpr < 32 ? tpr : 32;
+    for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (tpr <= 32) return v;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp * slots + slot] = v;
+    __syncthreads();
+    float total = 0.0f;
+    if ((threadIdx.x % tpr) == 0) {
+        const int first = threadIdx.x >> 5, warps = tpr >> 5;
+        for (int w = 0; w < warps; w++) total += red[(first + w) * slots + slot];
+    }
+    __syncthreads();
+    return total;
+}
+
+template <int BITS, int R, bool GATEUP>
+DEV void gemv(const f16_t* __restrict__ x, int rows, int K, const u8* __restrict__ w0,
+              const f16_t* __restrict__ sz0, const u8* __restrict__ w1,
+              const f16_t* __restrict__ sz1, int N, int group, int tpr, int stream_hint,
+              float* __restrict__ out, int accumulate, f16_t* __restrict__ out_h) {
+    extern __shared__ __align__(16) float smem[];
+    __shared__ float red[(GEMV_THREADS / 32) * 2 * R];
+    const bool Q = BITS != 16;
+    const int UNIT = Q ? QUNIT : HUNIT;
+    const int STRIDE = Q ? QSTRIDE : HSTRIDE;
+    const int UB = BITS == 2 ? 8 : 16; // bytes per unit
+    // Units per lane and batch: every load of a batch is in flight before the first use.
+    const int UNROLL = GATEUP ? (GEMV_UNROLL + 1) / 2 : GEMV_UNROLL;
+    const int U = K / UNIT;
+    const u64 policy = l2_policy(stream_hint != 0);
+
+    // `tpr` threads per output row.
+    const int rpb = blockDim.x / tpr;
+    const int n = blockIdx.x * rpb + threadIdx.x / tpr;
+    const int lane = threadIdx.x % tpr;
+    const bool valid = n < N;
+    const size_t nn = valid ? (size_t)n : 0;
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    const int G = Q ? K / group : 1;
+    const int upg = Q ? group / QUNIT : 1; // units per group
+    const u8* r0 = w0 + nn * row_bytes;
+    const u8* r1 = GATEUP ? w1 + nn * row_bytes : r0;
+    const f16_t* s0 = sz0 + nn * G;
+    const f16_t* z0 = sz0 + (size_t)N * G + nn * G;
+    const f16_t* s1 = GATEUP ? sz1 + nn * G : s0;
+    const f16_t* z1 = GATEUP ? sz1 + (size_t)N * G + nn * G : z0;
+
+    uint4 c0[UNROLL], c1[UNROLL];
+    f16_t q0[UNROLL][2], q1[UNROLL][2];
+    auto load_batch = [&](int u0) {
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int u = u0 + j * tpr;
+            c0[j] = c1[j] = make_uint4(0u, 0u, 0u, 0u);
+            q0[j][0] = q0[j][1] = q1[j][0] = q1[j][1] = 0;
+            if (valid && u < U) {
+                c0[j] = load_unit<BITS>(r0 + (size_t)u * UB, policy);
+                if (GATEUP) c1[j] = load_unit<BITS>(r1 + (size_t)u * UB, policy);
+                if (Q) {
+                    const int gi = u / upg;
+                    q0[j][0] = __ldg(s0 + gi);
+                    q0[j][1] = __ldg(z0 + gi);
+                    if (GATEUP) {
+                        q1[j][0] = __ldg(s1 + gi);
+                        q1[j][1] = __ldg(z1 + gi);
+                    }
+                }
+            }
+        }
+    };
+    // 1. The first batch of weights is requested before x is staged, so the two latencies overlap.
+    load_batch(lane);
+
+    // 2. Stage x as f32 (rows >= `rows` are zero), 8 values per thread and step; for quantized
+    //    weights the four threads of a 32-value unit also sum it (shuffles, fixed order).
+    const int chunks = K >> 3;
+    const int total = R * chunks;
+    for (int base = 0; base < total; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const bool in = i < total;
+        const int r = in ? i / chunks : 0, c = in ? i - r * chunks : 0;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (in && r < rows) v = *(const uint4*)(x + (size_t)r * K + 8 * c);
+        const float4 a = make_float4(lo_f16(v.x), hi_f16(v.x), lo_f16(v.y), hi_f16(v.y));
+        const float4 b = make_float4(lo_f16(v.z), hi_f16(v.z), lo_f16(v.w), hi_f16(v.w));
+        const int u = (8 * c) / UNIT, off = (8 * c) - u * UNIT;
+        float* dst = smem + (r * U + u) * STRIDE + off;
+        if (in) {
+            *(float4*)dst = a;
+            *(float4*)(dst + 4) = b;
+        }
+        if (Q) {
+            float part = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            if (in && off == 0) dst[QUNIT] = part;
+        }
+    }
+    __syncthreads();
+
+    float acc0[R], acc1[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.0f;
+
+    if (valid) {
+        for (int u0 = lane; u0 < U; u0 += UNROLL * tpr) {
+            if (u0 != lane) load_batch(u0);
+#pragma unroll
+            for (int j = 0; j < UNROLL; j++) {
+                const int u = u0 + j * tpr;
+                if (u >= U) break;
+                if (Q) {
+                    const float sc0 = f16_to_f32(q0[j][0]), ze0 = f16_to_f32(q0[j][1]);
+                    const float sc1 = f16_to_f32(q1[j][0]), ze1 = f16_to_f32(q1[j][1]);
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const float* xs = smem + (r * U + u) * STRIDE;
+                        const float xsum = xs[QUNIT];
+                        acc0[r] = fmaf(sc0, unit_dot<BITS>(c0[j], xs), fmaf(ze0, xsum, acc0[r]));
+                        if (GATEUP)
+                            acc1[r] = fmaf(sc1, unit_dot<BITS>(c1[j], xs), fmaf(ze1, xsum, acc1[r]));
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const float* xs = smem + (r * U + u) * STRIDE;
+                        acc0[r] += unit_dot<BITS>(c0[j], xs);
+                        if (GATEUP) acc1[r] += unit_dot<BITS>(c1[j], xs);
+                    }
+                }
+            }
+        }
+    }
+
+    // 3. Reduce over the row's threads (every thread takes part) and write.
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        acc0[r] = row_sum(acc0[r], tpr, red, 2 * r, 2 * R);
+        if (GATEUP) acc1[r] = row_sum(acc1[r], tpr, red, 2 * r + 1, 2 * R);
+    }
+    if (valid && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r >= rows) break;
+            const size_t o = (size_t)r * N + n;
+            if (GATEUP) {
+                out_h[o] = f32_to_f16(silu_mul(acc0[r], acc1[r]));
+            } else {
+                out[o] = accumulate ? __fadd_rn(out[o], acc0[r]) : acc0[r];
+            }
+        }
+    }
+}
+
+#define GEMV_KERNELS(B, R)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
+        gemv_b##B##_r##R(const f16_t* x, int rows, int K, const u8* w, const f16_t* sz, int N,    \
+                         int group, int tpr, int stream, float* out, int accumulate) {            \
+        gemv<B, R, false>(x, rows, K, w, sz, w, sz, N, group, tpr, stream, out, accumulate,       \
+                          nullptr);                                                               \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
+        gemv_gateup_b##B##_r##R(                                                                  \
+        const f16_t* x, int rows, int K, const u8* wg, const f16_t* szg, const u8* wu,            \
+        const f16_t* szu, int N, int group, int tpr, int stream, f16_t* out) {                    \
+        gemv<B, R, true>(x, rows, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0, out);   \
+    }
+
+GEMV_KERNELS(16, 1)
+GEMV_KERNELS(16, 2)
+GEMV_KERNELS(16, 4)
+GEMV_KERNELS(4, 1)
+GEMV_KERNELS(4, 2)
+GEMV_KERNELS(4, 4)
+GEMV_KERNELS(2, 1)
+GEMV_KERNELS(2, 2)
+GEMV_KERNELS(2, 4)
+
+// Fallback for shapes the fast kernels do not take (K not a multiple of 32, group sizes not a
+// multiple of 32): one warp per output, dequantized elementwise exactly like the CPU reference.
+// grid (ceil(N / 8), M), 256 threads.
+extern "C" __global__ void linear_generic(const f16_t* __restrict__ X, int M, int K,
+                                          const u8* __restrict__ W, const f16_t* __restrict__ sz,
+                                          int bits, int N, int group, float* __restrict__ out,
+                                          int accumulate) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * 8 + warp, m = blockIdx.y;
+    if (n >= N || m >= M) return;
+    const f16_t* x = X + (size_t)m * K;
+    float acc = 0.0f;
+    if (bits == 16) {
+        const f16_t* w = (const f16_t*)W + (size_t)n * K;
+        for (int k = lane; k < K; k += 32) acc = fmaf(f16_to_f32(w[k]), f16_to_f32(x[k]), acc);
+    } else {
+        const size_t row_bytes = (size_t)K * bits / 8;
+        const int G = K / group, per = 8 / bits, mask = (1 << bits) - 1;
+        const u8* codes = W + (size_t)n * row_bytes;
+        const f16_t* scales = sz + (size_t)n * G;
+        const f16_t* zeros = sz + (size_t)N * G + (size_t)n * G;
+        for (int k = lane; k < K; k += 32) {
+            const u32 q = (codes[k / per] >> ((k % per) * bits)) & mask;
+            const int gi = k / group;
+            const float wv = __fadd_rn(__fmul_rn(f16_to_f32(scales[gi]), (float)q), f16_to_f32(zeros[gi]));
+            acc = fmaf(wv, f16_to_f32(x[k]), acc);
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        const size_t o = (size_t)m * N + n;
+        out[o] = accumulate ? __fadd_rn(out[o], acc) : acc;
+    }
+}

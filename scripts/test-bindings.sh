@@ -1,0 +1,219 @@
+#!/usr/bin/env bash
+# Build and test the C ABI and every language binding of libtinyloop:
+#
+#   header     include/tinyloop.h equals the header this build generated
+#   c-so       examples/c/example.c linked against libtinyloop.so, run
+#   c-static   the same example linked against libtinyloop.a, run
+#   c-abi      tests/c/abi_test.c (the bad-input table of docs/ABI.md, threads, cancellation)
+#   valgrind   memcheck on the C example: no errors, no definite leaks
+#   python     pip install bindings/python (in a venv) + pytest (binding tests, NumPy reference check)
+#   go         go vet + go test in bindings/go
+#   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
+#   valgrind-abi  (optional, not in the default set: ~1 min) memcheck on the C ABI test
+#
+# Usage: scripts/test-bindings.sh [STEP...]     (default: all steps but valgrind-abi)
+#
+# Uses target/release/{libtinyloop.so,libtinyloop.a,tinyloop}; runs `cargo build --release`
+# first when cargo is available (a no-op when up to date), else expects them to exist
+# (TINYLOOP_TARGET_DIR overrides target/release). Missing system tools are installed with
+# apt-get only when running as root with CI=true; numpy and pytest are pip-installed when missing.
+# Exits non-zero when any step fails; every step runs regardless, and a summary ends the output.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+REL="${TINYLOOP_TARGET_DIR:-$ROOT/target/release}"
+WORK="$ROOT/target/bindings-test"
+mkdir -p "$WORK"
+CC="${CC:-cc}"
+
+ALL_STEPS=(header c-so c-static c-abi valgrind python go cpp)
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
+declare -A RESULT=()
+
+log() { printf '\n=== %s\n' "$*"; }
+wants() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+# ---- system dependencies -----------------------------------------------------------------
+missing_pkgs=()
+need() { # need COMMAND DEBIAN_PACKAGE...
+    command -v "$1" >/dev/null 2>&1 || missing_pkgs+=("${@:2}")
+}
+need "$CC" gcc libc6-dev
+need make make
+if wants cpp; then
+    need g++ g++
+    need cmake cmake
+    if [ ! -e /usr/include/gtest/gtest.h ] && [ ! -e /usr/src/googletest/CMakeLists.txt ]; then
+        missing_pkgs+=(googletest libgtest-dev)
+    fi
+fi
+{ wants valgrind || wants valgrind-abi; } && need valgrind valgrind
+wants go && need go golang-go
+if wants python; then
+    need python3 python3
+    python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing_pkgs+=(python3-venv python3-pip)
+fi
+if [ ${#missing_pkgs[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && [ "${CI:-}" = true ] && command -v apt-get >/dev/null; then
+        log "apt-get install ${missing_pkgs[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq "${missing_pkgs[@]}" >/dev/null \
+            || echo "apt-get install failed; the steps that need these packages will fail"
+    else
+        echo "missing packages: ${missing_pkgs[*]} (install them, or run as root with CI=true)"
+    fi
+fi
+
+# ---- the library -------------------------------------------------------------------------
+if command -v cargo >/dev/null 2>&1 && [ -z "${TINYLOOP_TARGET_DIR:-}" ]; then
+    log "cargo build --release"
+    cargo build --release || { echo "cargo build failed"; exit 1; }
+fi
+for f in libtinyloop.so libtinyloop.a tinyloop; do
+    [ -e "$REL/$f" ] || { echo "missing $REL/$f: run cargo build --release"; exit 1; }
+done
+export TINYLOOP_TEST_MODEL="$WORK/tiny.tinyloop"
+"$REL/tinyloop" synth --preset tiny --seed 1 --out "$TINYLOOP_TEST_MODEL" >/dev/null \
+    || { echo "tinyloop synth failed"; exit 1; }
+export TINYLOOP_BIN="$REL/tinyloop"
+CFLAGS=(-std=c11 -D_DEFAULT_SOURCE -O1 -g -Wall -Wextra -Werror -I"$ROOT/include")
+STATIC_LIBS=(-lpthread -ldl -lm -lrt)
+
+# ---- steps -------------------------------------------------------------------------------
+step_header() {
+    # The newest generated header of the release build.
+    local generated
+    generated="$(ls -t "$REL"/build/tinyloop-*/out/tinyloop.h 2>/dev/null | head -1)"
+    if [ -z "$generated" ]; then
+        echo "no generated header under $REL/build (bundle without a build tree?): skipped"
+        return 0
+    fi
+    if cmp -s "$generated" include/tinyloop.h; then
+        echo "include/tinyloop.h is fresh"
+    else
+        diff -u include/tinyloop.h "$generated" | head -40
+        echo "include/tinyloop.h is stale: TINYLOOP_BLESS=1 cargo test --test header"
+        return 1
+    fi
+}
+
+step_c_so() {
+    "$CC" "${CFLAGS[@]}" examples/c/example.c -L"$REL" -ltinyloop -Wl,-rpath,"$REL" \
+        -o "$WORK/example_so" && "$WORK/example_so" "$TINYLOOP_TEST_MODEL"
+}
+
+step_c_static() {
+    "$CC" "${CFLAGS[@]}" examples/c/example.c "$REL/libtinyloop.a" "${STATIC_LIBS[@]}" \
+        -o "$WORK/example_static" || return 1
+    if ldd "$WORK/example_static" | grep -q libtinyloop; then
+        echo "example_static links libtinyloop dynamically"
+        return 1
+    fi
+    "$WORK/example_static" "$TINYLOOP_TEST_MODEL"
+}
+
+step_c_abi() {
+    "$CC" "${CFLAGS[@]}" -pthread tests/c/abi_test.c -L"$REL" -ltinyloop -Wl,-rpath,"$REL" -lm \
+        -o "$WORK/abi_test" && "$WORK/abi_test" "$TINYLOOP_TEST_MODEL" | grep -v '^ok '
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || return "$rc"
+    # The same test against the static library.
+    "$CC" "${CFLAGS[@]}" -pthread tests/c/abi_test.c "$REL/libtinyloop.a" "${STATIC_LIBS[@]}" \
+        -o "$WORK/abi_test_static" && "$WORK/abi_test_static" "$TINYLOOP_TEST_MODEL" | tail -1
+    return "${PIPESTATUS[0]}"
+}
+
+step_valgrind() {
+    [ -x "$WORK/example_so" ] || step_c_so >/dev/null || return 1
+    # --errors-for-leak-kinds=definite: a definite leak counts as an error; "possibly lost"
+    # blocks of the worker thread pool (alive until exit) do not.
+    valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
+        --log-file="$WORK/valgrind.log" "$WORK/example_so" "$TINYLOOP_TEST_MODEL" >/dev/null
+    local rc=$?
+    grep -E "ERROR SUMMARY|definitely lost|indirectly lost|possibly lost" "$WORK/valgrind.log"
+    [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/valgrind.log"; return 1; }
+}
+
+step_valgrind_abi() {
+    [ -x "$WORK/abi_test" ] || step_c_abi >/dev/null || return 1
+    valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
+        --log-file="$WORK/valgrind-abi.log" "$WORK/abi_test" "$TINYLOOP_TEST_MODEL" | tail -1
+    local rc=${PIPESTATUS[0]}
+    grep -E "ERROR SUMMARY|definitely lost" "$WORK/valgrind-abi.log"
+    [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/valgrind-abi.log"; return 1; }
+}
+
+step_python() {
+    local venv="$WORK/pyenv" py
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv --system-site-packages "$venv" >/dev/null 2>&1 || rm -rf "$venv"
+    fi
+    local pipflags=(-q --disable-pip-version-check)
+    if [ -x "$venv/bin/python" ]; then
+        py="$venv/bin/python"
+    else
+        echo "python3 -m venv is unavailable; installing into the user site instead"
+        py=python3
+        pipflags+=(--user)
+        python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages \
+            && pipflags+=(--break-system-packages)
+    fi
+    "$py" -c 'import numpy' 2>/dev/null || "$py" -m pip install "${pipflags[@]}" numpy || return 1
+    "$py" -c 'import pytest' 2>/dev/null || "$py" -m pip install "${pipflags[@]}" pytest || return 1
+    # A fresh install of the binding (not editable: the tests import the installed package).
+    # With a recent setuptools at hand, build without network access.
+    local build_flags=()
+    "$py" - <<'PY' 2>/dev/null && build_flags=(--no-build-isolation)
+import importlib.util as u, sys
+import setuptools
+major = int(setuptools.__version__.split(".")[0])
+has_wheel = u.find_spec("wheel") is not None or u.find_spec("setuptools.command.bdist_wheel") is not None
+sys.exit(0 if major >= 61 and has_wheel else 1)
+PY
+    # Build from a copy so that setuptools' build/ and *.egg-info stay out of the source tree.
+    rm -rf "$WORK/python-src" && cp -r "$ROOT/bindings/python" "$WORK/python-src" || return 1
+    "$py" -m pip install "${pipflags[@]}" "${build_flags[@]}" --force-reinstall --no-deps \
+        "$WORK/python-src" || return 1
+    # From $ROOT (not bindings/python), so `import tinyloop_py` is the installed copy; it finds
+    # the library in $ROOT/target/release unless TINYLOOP_LIB says otherwise.
+    [ -n "${TINYLOOP_TARGET_DIR:-}" ] && export TINYLOOP_LIB="${TINYLOOP_LIB:-$REL/libtinyloop.so}"
+    # tests/python checks the runtime against the NumPy reference (tools/reference.py).
+    PYTHONDONTWRITEBYTECODE=1 "$py" -m pytest -q -p no:cacheprovider bindings/python/tests tests/python
+}
+
+step_go() {
+    (
+        # The cgo directives link ../../target/release; another library folder comes first.
+        [ -n "${TINYLOOP_TARGET_DIR:-}" ] && export CGO_LDFLAGS="-L$REL -Wl,-rpath,$REL ${CGO_LDFLAGS:-}"
+        cd bindings/go && go vet ./... && go test -count=1 ./...
+    )
+}
+
+step_cpp() {
+    local build="$WORK/cpp-build"
+    cmake -S bindings/cpp -B "$build" -DCMAKE_BUILD_TYPE=Release \
+        -DTINYLOOP_LIB_DIR="$REL" -DTINYLOOP_TEST_MODEL="$TINYLOOP_TEST_MODEL" >/dev/null \
+        && cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" >/dev/null \
+        && ctest --test-dir "$build" --output-on-failure
+}
+
+for step in "${STEPS[@]}"; do
+    fn="step_${step//-/_}"
+    if ! declare -F "$fn" >/dev/null; then
+        echo "unknown step $step (known: ${ALL_STEPS[*]})"
+        RESULT[$step]=FAIL
+        continue
+    fi
+    log "$step"
+    if "$fn"; then RESULT[$step]=ok; else RESULT[$step]=FAIL; fi
+done
+
+log "summary"
+status=0
+for step in "${STEPS[@]}"; do
+    printf '  %-10s %s\n' "$step" "${RESULT[$step]}"
+    [ "${RESULT[$step]}" = ok ] || status=1
+done
+exit "$status"

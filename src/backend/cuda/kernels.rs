@@ -1,0 +1,515 @@
+//! The kernels in `cuda/`: embedded in the library, compiled by NVRTC for the device's
+//! architecture at first use, and cached on disk as a cubin.
+//!
+//! Cache key: a hash of every source, the NVRTC options (with any `TINYLOOP_CUDA_DEFINES`), the
+//! architecture and the NVRTC version.
+//! The cache folder is `TINYLOOP_KERNEL_CACHE` (set it to `off` to disable the cache), else
+//! `$XDG_CACHE_HOME/tinyloop/kernels`, else `~/.cache/tinyloop/kernels`.
+//!
+//! NVRTC (`libnvrtc.so.13`) is found by the usual library search; when that fails, the folder
+//! named by `TINYLOOP_NVRTC` (a folder or the library itself), `$CUDA_HOME/lib64`,
+//! `/usr/local/cuda/lib64` and the `nvidia-cuda-nvrtc` Python wheel's folder are tried. Without
+//! NVRTC a warm cache still works: the cubin is looked up under the key that the last compile for
+//! this architecture wrote (`latest-<arch>` file).
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cudarc::driver::{result, sys, CudaContext};
+use cudarc::nvrtc::sys as nvrtc;
+
+use super::driver::device_error;
+use crate::error::{Error, Result};
+
+/// Kernel sources, in include order (each `.cu` includes `common.cuh`).
+pub(crate) const SOURCES: [(&str, &str); 5] = [
+    ("common.cuh", include_str!("../../../cuda/common.cuh")),
+    (
+        "elementwise.cu",
+        include_str!("../../../cuda/elementwise.cu"),
+    ),
+    ("gemv.cu", include_str!("../../../cuda/gemv.cu")),
+    ("gemm.cu", include_str!("../../../cuda/gemm.cu")),
+    ("attention.cu", include_str!("../../../cuda/attention.cu")),
+];
+
+/// NVRTC options besides the architecture. `-lineinfo` costs nothing at run time and lets
+/// compute-sanitizer name source lines.
+const OPTIONS: [&str; 3] = ["--std=c++17", "-lineinfo", "-DTL_NVRTC=1"];
+
+/// Bits variants of the linear kernels, in index order.
+pub(crate) const BITS: [u32; 3] = [16, 4, 2];
+/// Row counts the GEMV kernels are instantiated for, in index order.
+pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
+/// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
+pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
+
+/// Every kernel function of the loaded module.
+pub(crate) struct Kernels {
+    module: sys::CUmodule,
+    pub embed_f32: sys::CUfunction,
+    pub embed_f16: sys::CUfunction,
+    pub norm_rows: sys::CUfunction,
+    pub rope_kv: sys::CUfunction,
+    pub add_f32: sys::CUfunction,
+    pub to_half: sys::CUfunction,
+    pub swiglu: sys::CUfunction,
+    pub argmax_f32: sys::CUfunction,
+    /// `[bits index][rows index]`
+    pub gemv: [[sys::CUfunction; 3]; 3],
+    pub gemv_gateup: [[sys::CUfunction; 3]; 3],
+    /// `[bits index]`
+    pub gemm: [sys::CUfunction; 3],
+    pub linear_generic: sys::CUfunction,
+    /// `[dj index]`
+    pub attention: [sys::CUfunction; 4],
+}
+
+// SAFETY: CUmodule and CUfunction are handles into a context that lives for the whole process
+// (driver::Gpu keeps it); the driver allows launching a function from any thread.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; the handles are never mutated after loading.
+unsafe impl Sync for Kernels {}
+
+impl Kernels {
+    /// Let the GEMV and norm kernels use up to the device's opt-in shared memory per block.
+    pub fn allow_dynamic_smem(&self, optin: usize) -> Result<()> {
+        let limit = optin.saturating_sub(2048) as i32;
+        let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
+        for f in all.chain(std::iter::once(&self.norm_rows)) {
+            // SAFETY: `f` is a valid function of the loaded module.
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    *f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    limit,
+                )
+            }
+            .result()
+            .map_err(|e| device_error("cuFuncSetAttribute", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Load the kernels for `arch`: from the disk cache when possible, otherwise compiled by NVRTC
+/// (and then cached). Returns the kernels and a note saying which happened and how long it took.
+pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, String)> {
+    let start = Instant::now();
+    let arch_name = format!("sm_{}{}", arch.0, arch.1);
+    let dir = cache_dir();
+    let nvrtc_version = load_nvrtc().ok().map(|_| nvrtc_version()).transpose()?;
+    let latest = dir.as_ref().map(|d| d.join(format!("latest-{arch_name}")));
+    // The key under which to look: this NVRTC's, or (no NVRTC here) the one last written.
+    let key = match nvrtc_version {
+        Some(v) => Some(cache_key(&arch_name, v)),
+        None => latest
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map(|s| s.trim().to_string()),
+    };
+    let cached = match (&dir, &key) {
+        (Some(dir), Some(key)) => std::fs::read(dir.join(format!("tinyloop-{key}.cubin"))).ok(),
+        _ => None,
+    };
+    if let Some(cubin) = cached {
+        if let Ok(kernels) = load_module(ctx, &cubin) {
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            return Ok((kernels, format!("disk cache hit ({ms:.1} ms)")));
+        }
+    }
+    let Some(version) = nvrtc_version else {
+        return Err(Error::Device(format!(
+            "the kernels are not cached for {arch_name} and NVRTC (libnvrtc.so.13) was not found: {}",
+            load_nvrtc().err().map(|e| e.to_string()).unwrap_or_default()
+        )));
+    };
+    let cubin = compile(&arch_name)?;
+    let compiled_ms = start.elapsed().as_secs_f64() * 1e3;
+    let kernels = load_module(ctx, &cubin)?;
+    let mut note = format!(
+        "compiled by NVRTC {}.{} for {arch_name} in {compiled_ms:.0} ms",
+        version.0, version.1
+    );
+    if let (Some(dir), Some(key)) = (&dir, &key) {
+        match store(dir, key, &cubin, latest.as_deref()) {
+            Ok(path) => note.push_str(&format!(", cached in {}", path.display())),
+            Err(e) => note.push_str(&format!(", not cached ({e})")),
+        }
+    }
+    Ok((kernels, note))
+}
+
+/// The cache folder, or None when caching is off.
+fn cache_dir() -> Option<PathBuf> {
+    match std::env::var_os("TINYLOOP_KERNEL_CACHE") {
+        Some(v) if v == "off" || v == "0" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME")
+                        .filter(|v| !v.is_empty())
+                        .map(|h| PathBuf::from(h).join(".cache"))
+                })?;
+            Some(base.join("tinyloop").join("kernels"))
+        }
+    }
+}
+
+/// FNV-1a, 64 bits: stable across Rust versions, unlike `DefaultHasher`.
+fn fnv1a(data: &[&[u8]]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for part in data {
+        for &b in *part {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Extra `-D` options from `TINYLOOP_CUDA_DEFINES` (space separated, e.g. `GEMV_MIN_BLOCKS=4`),
+/// for tuning experiments; they are part of the cache key.
+fn extra_defines() -> Vec<String> {
+    std::env::var("TINYLOOP_CUDA_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|d| format!("-D{}", d.trim_start_matches("-D")))
+        .collect()
+}
+
+fn cache_key(arch: &str, version: (i32, i32)) -> String {
+    let mut parts: Vec<&[u8]> = Vec::new();
+    for (name, src) in &SOURCES {
+        parts.push(name.as_bytes());
+        parts.push(src.as_bytes());
+    }
+    for o in &OPTIONS {
+        parts.push(o.as_bytes());
+    }
+    let extra = extra_defines();
+    for o in &extra {
+        parts.push(o.as_bytes());
+    }
+    let v = format!("{arch} nvrtc {}.{}", version.0, version.1);
+    parts.push(v.as_bytes());
+    format!(
+        "{arch}-nvrtc{}{}-{:016x}",
+        version.0,
+        version.1,
+        fnv1a(&parts)
+    )
+}
+
+/// Write the cubin under its key (atomically: temporary file, then rename).
+fn store(dir: &Path, key: &str, cubin: &[u8], latest: Option<&Path>) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("tinyloop-{key}.cubin"));
+    let tmp = dir.join(format!(".tinyloop-{key}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, cubin)?;
+    std::fs::rename(&tmp, &path)?;
+    if let Some(latest) = latest {
+        let tmp = dir.join(format!(".latest.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, key)?;
+        std::fs::rename(&tmp, latest)?;
+    }
+    Ok(path)
+}
+
+/// Make sure the NVRTC library can be loaded, searching beyond the default library path.
+fn load_nvrtc() -> Result<()> {
+    // SAFETY: only tries to dlopen the library by its usual names.
+    if unsafe { nvrtc::is_culib_present() } {
+        return Ok(());
+    }
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("TINYLOOP_NVRTC").map(PathBuf::from) {
+        if p.is_file() {
+            dirs.extend(p.parent().map(Path::to_path_buf));
+        } else {
+            dirs.push(p);
+        }
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(p) = std::env::var_os(var) {
+            dirs.push(PathBuf::from(p).join("lib64"));
+        }
+    }
+    dirs.push("/usr/local/cuda/lib64".into());
+    dirs.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    dirs.push("/usr/local/cuda/targets/sbsa-linux/lib".into());
+    for pattern in [
+        "/usr/lib/python3*/site-packages/nvidia/cu13/lib",
+        "/usr/local/lib/python3*/dist-packages/nvidia/cu13/lib",
+        "/usr/local/lib/python3*/site-packages/nvidia/cu13/lib",
+        "/opt/*/.venv/lib/python3*/site-packages/nvidia/cu13/lib",
+    ] {
+        dirs.extend(expand(pattern));
+    }
+    for dir in &dirs {
+        let lib = dir.join("libnvrtc.so.13");
+        if !lib.is_file() {
+            continue;
+        }
+        // NVRTC opens its builtins library by name when it compiles; load it first by path.
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("libnvrtc-builtins.so.13") && !name.contains(".alt.") {
+                    dlopen_global(&entry.path());
+                    break;
+                }
+            }
+        }
+        dlopen_global(&lib);
+        // SAFETY: as above.
+        if unsafe { nvrtc::is_culib_present() } {
+            return Ok(());
+        }
+    }
+    Err(Error::Device(
+        "NVRTC (libnvrtc.so.13) was not found; set TINYLOOP_NVRTC to its folder".into(),
+    ))
+}
+
+/// Load a shared library for the rest of the process, so that later loads by its soname find it.
+fn dlopen_global(path: &Path) {
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    // SAFETY: dlopen with a valid NUL-terminated path; the handle is deliberately kept open.
+    unsafe {
+        libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+    }
+}
+
+/// Expand `*` in the components of an absolute path pattern (no other glob syntax).
+fn expand(pattern: &str) -> Vec<PathBuf> {
+    let mut current = vec![PathBuf::from("/")];
+    for part in pattern.split('/').filter(|p| !p.is_empty()) {
+        let mut next = Vec::new();
+        for base in &current {
+            if let Some(star) = part.find('*') {
+                let (prefix, suffix) = (&part[..star], &part[star + 1..]);
+                if let Ok(entries) = std::fs::read_dir(base) {
+                    for e in entries.flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        if name.starts_with(prefix) && name.ends_with(suffix) {
+                            next.push(base.join(name));
+                        }
+                    }
+                }
+            } else {
+                let p = base.join(part);
+                if p.exists() {
+                    next.push(p);
+                }
+            }
+        }
+        current = next;
+    }
+    current
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (load_nvrtc succeeded); the out-pointers are valid.
+    unsafe { nvrtc::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::Device(format!("nvrtcVersion: {e}")))?;
+    Ok((major, minor))
+}
+
+/// Compile every source into one cubin for `arch`.
+pub(crate) fn compile(arch: &str) -> Result<Vec<u8>> {
+    load_nvrtc()?;
+    let fail = |what: &str, e: cudarc::nvrtc::result::NvrtcError| {
+        Error::Device(format!("NVRTC {what}: {e}"))
+    };
+    let main: String = SOURCES
+        .iter()
+        .filter(|(name, _)| name.ends_with(".cu"))
+        .map(|(name, _)| format!("#include \"{name}\"\n"))
+        .collect();
+    let main = CString::new(main).expect("no NUL in include lines");
+    let names: Vec<CString> = SOURCES
+        .iter()
+        .map(|(n, _)| CString::new(*n).unwrap())
+        .collect();
+    let bodies: Vec<CString> = SOURCES
+        .iter()
+        .map(|(_, s)| CString::new(*s).expect("kernel sources contain no NUL"))
+        .collect();
+    let name_ptrs: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
+    let body_ptrs: Vec<*const c_char> = bodies.iter().map(|c| c.as_ptr()).collect();
+    let mut options: Vec<CString> =
+        vec![CString::new(format!("--gpu-architecture={arch}")).unwrap()];
+    options.extend(OPTIONS.iter().map(|o| CString::new(*o).unwrap()));
+    for define in extra_defines() {
+        options.push(
+            CString::new(define).map_err(|_| Error::invalid("NUL in TINYLOOP_CUDA_DEFINES"))?,
+        );
+    }
+    let option_ptrs: Vec<*const c_char> = options.iter().map(|c| c.as_ptr()).collect();
+    let program_name = CString::new("tinyloop.cu").unwrap();
+
+    let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer is a NUL-terminated string kept alive until the program is
+    // destroyed below; the header arrays have SOURCES.len() entries each.
+    unsafe {
+        nvrtc::nvrtcCreateProgram(
+            &mut prog,
+            main.as_ptr(),
+            program_name.as_ptr(),
+            body_ptrs.len() as i32,
+            body_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+        .result()
+        .map_err(|e| fail("create program", e))?;
+    }
+    // SAFETY: `prog` is a valid program until nvrtcDestroyProgram; buffers are sized by the
+    // matching Get*Size calls.
+    let result = unsafe {
+        let compiled =
+            nvrtc::nvrtcCompileProgram(prog, option_ptrs.len() as i32, option_ptrs.as_ptr());
+        let mut log_size = 0usize;
+        let mut log = Vec::new();
+        if nvrtc::nvrtcGetProgramLogSize(prog, &mut log_size)
+            .result()
+            .is_ok()
+            && log_size > 1
+        {
+            log = vec![0u8; log_size];
+            let _ = nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
+        }
+        let log = String::from_utf8_lossy(&log)
+            .trim_end_matches('\0')
+            .trim()
+            .to_string();
+        match compiled.result() {
+            Err(e) => Err(Error::Device(format!(
+                "NVRTC compile for {arch} failed ({e}):\n{log}"
+            ))),
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| fail("cubin size", e))?;
+                let mut cubin = vec![0u8; size];
+                nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char)
+                    .result()
+                    .map_err(|e| fail("cubin", e))?;
+                Ok(cubin)
+            }
+        }
+    };
+    // SAFETY: destroys the program created above exactly once.
+    unsafe {
+        let _ = nvrtc::nvrtcDestroyProgram(&mut prog);
+    }
+    result
+}
+
+fn load_module(ctx: &CudaContext, cubin: &[u8]) -> Result<Kernels> {
+    ctx.bind_to_thread()
+        .map_err(|e| device_error("binding the context", e))?;
+    // SAFETY: `cubin` is a complete cubin image (from NVRTC or the cache, which stores exactly
+    // what NVRTC produced); cuModuleLoadData validates it and fails cleanly on a corrupt file.
+    let module = unsafe { result::module::load_data(cubin.as_ptr() as *const _) }
+        .map_err(|e| device_error("loading the kernel module", e))?;
+    let get = |name: &str| -> Result<sys::CUfunction> {
+        // SAFETY: `module` is the module loaded above.
+        unsafe { result::module::get_function(module, CString::new(name).unwrap()) }
+            .map_err(|e| device_error(&format!("kernel {name}"), e))
+    };
+    let by_bits = |prefix: &str| -> Result<[[sys::CUfunction; 3]; 3]> {
+        let mut out = [[std::ptr::null_mut(); 3]; 3];
+        for (i, bits) in BITS.iter().enumerate() {
+            for (j, rows) in GEMV_ROWS.iter().enumerate() {
+                out[i][j] = get(&format!("{prefix}_b{bits}_r{rows}"))?;
+            }
+        }
+        Ok(out)
+    };
+    let loaded = (|| {
+        Ok(Kernels {
+            module,
+            embed_f32: get("embed_f32")?,
+            embed_f16: get("embed_f16")?,
+            norm_rows: get("norm_rows")?,
+            rope_kv: get("rope_kv")?,
+            add_f32: get("add_f32")?,
+            to_half: get("to_half")?,
+            swiglu: get("swiglu")?,
+            argmax_f32: get("argmax_f32")?,
+            gemv: by_bits("gemv")?,
+            gemv_gateup: by_bits("gemv_gateup")?,
+            gemm: [get("gemm_b16")?, get("gemm_b4")?, get("gemm_b2")?],
+            linear_generic: get("linear_generic")?,
+            attention: [
+                get("attention_dj1")?,
+                get("attention_dj2")?,
+                get("attention_dj4")?,
+                get("attention_dj8")?,
+            ],
+        })
+    })();
+    if loaded.is_err() {
+        // SAFETY: the module is not referenced by anything else yet.
+        let _ = unsafe { result::module::unload(module) };
+    }
+    loaded
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        // SAFETY: the module is unloaded once; no launch can be in flight because the owning
+        // Gpu is process-wide and dropped only at exit (if ever).
+        let _ = unsafe { result::module::unload(self.module) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_is_stable_and_depends_on_arch_and_version() {
+        let a = cache_key("sm_90", (13, 0));
+        assert_eq!(a, cache_key("sm_90", (13, 0)));
+        assert_ne!(a, cache_key("sm_80", (13, 0)));
+        assert_ne!(a, cache_key("sm_90", (13, 1)));
+        assert!(a.starts_with("sm_90-nvrtc130-"));
+    }
+
+    #[test]
+    fn expand_finds_existing_paths_only() {
+        assert!(expand("/definitely-not-here-*/x").is_empty());
+        assert!(!expand("/t*").is_empty() || !Path::new("/tmp").exists());
+    }
+
+    /// Compiles every kernel with NVRTC when the library can be found (no GPU needed); set
+    /// TINYLOOP_NVRTC to the folder of libnvrtc.so.13 (e.g. the nvidia-cuda-nvrtc wheel's).
+    #[test]
+    fn kernels_compile_with_nvrtc_when_present() {
+        if load_nvrtc().is_err() {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipped: NVRTC not found (set TINYLOOP_NVRTC; scripts/check-kernels.sh covers CI)"
+            );
+            return;
+        }
+        for arch in ["sm_80", "sm_90"] {
+            let cubin = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(cubin.len() > 1000, "{arch}: cubin of {} bytes", cubin.len());
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! Parameter and config structs of the C ABI, their defaults, and their conversion to the Rust
+//! option types.
+
+use std::ffi::c_char;
+
+use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
+use crate::{Device, GenerateParams, ModelOptions, SamplingParams};
+
+/// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct tl_model_params {
+    /// `sizeof(tl_model_params)`; set by `tl_model_default_params`. Smaller values are rejected
+    /// (`TL_ERR_INVALID_ARGUMENT`); larger values are accepted and the extra bytes ignored.
+    pub struct_size: usize,
+    /// Upper bound on prompt + generated tokens of one sequence. Must be > 0. Default 2048.
+    pub max_seq_len: u32,
+    /// When > 0, step buffers hold this many rows, longer prompts are prefilled in chunks, and
+    /// score calls accept at most this many tokens. 0 (default) sizes buffers to max_seq_len.
+    pub prefill_chunk: u32,
+    /// "auto", "cpu", "cuda" or "cuda:N"; NULL (default) uses the TINYLOOP_DEVICE environment
+    /// variable, or "auto" when it is unset. Only read during `tl_model_open`.
+    pub device: *const c_char,
+    /// Largest loop count a call may ask for (bounds the KV cache). Must be > 0. Default 64.
+    pub max_loops: u32,
+    /// Print the load log on stderr. Default true.
+    pub log: bool,
+}
+
+/// Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct tl_generate_params {
+    /// `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. Smaller values are
+    /// rejected; larger values are accepted and the extra bytes ignored.
+    pub struct_size: usize,
+    /// Tokens to generate, >= 1. Default 128. The output buffer must hold this many.
+    pub max_tokens: u32,
+    /// Loop iterations, 1..=max_loops, or TL_LOOPS_DEFAULT (-1, the default) for the model's
+    /// default_loops. 0 and other negative values are rejected.
+    pub loops: i32,
+    /// 0 (default) selects greedy decoding; otherwise a finite value > 0.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 (default) keeps all.
+    pub top_k: u32,
+    /// Nucleus sampling threshold in (0, 1]; 1 (default) keeps all.
+    pub top_p: f32,
+    /// Seed of the sampler; the same seed and inputs give the same tokens. Default 0.
+    pub seed: u64,
+    /// Generation ends when one of these tokens is produced; it is not returned. May be NULL
+    /// when `n_stop_tokens` is 0. Only read during the call.
+    pub stop_tokens: *const i32,
+    /// Number of entries in `stop_tokens`. Default 0.
+    pub n_stop_tokens: usize,
+}
+
+/// Static architecture of a model, filled by `tl_model_config`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct tl_config {
+    /// Set to `sizeof(tl_config)` by the caller before `tl_model_config`; smaller values
+    /// are rejected. The library writes only the fields it knows.
+    pub struct_size: usize,
+    pub dim: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub ffn_dim: u32,
+    pub vocab_size: u32,
+    /// Rank of a factorized embedding; 0 means full rank.
+    pub embed_factor_dim: u32,
+    pub n_pre_blocks: u32,
+    pub n_loop_blocks: u32,
+    pub n_post_blocks: u32,
+    pub default_loops: u32,
+    /// "rmsnorm" or "layernorm" (static storage; never free).
+    pub norm: *const c_char,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position: u32,
+    /// "untied" or "tied" (static storage; never free).
+    pub head: *const c_char,
+    /// The options the model was opened with.
+    pub max_seq_len: u32,
+    pub prefill_chunk: u32,
+    pub max_loops: u32,
+}
+
+pub(crate) fn saturate(v: usize) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+fn default_model_params() -> tl_model_params {
+    let d = ModelOptions::default();
+    tl_model_params {
+        struct_size: std::mem::size_of::<tl_model_params>(),
+        max_seq_len: saturate(d.max_seq_len),
+        prefill_chunk: saturate(d.prefill_chunk),
+        device: std::ptr::null(),
+        max_loops: saturate(d.max_loops),
+        log: d.log,
+    }
+}
+
+fn default_generate_params() -> tl_generate_params {
+    let d = GenerateParams::default();
+    tl_generate_params {
+        struct_size: std::mem::size_of::<tl_generate_params>(),
+        max_tokens: saturate(d.max_tokens),
+        loops: TL_LOOPS_DEFAULT,
+        temperature: d.sampling.temperature,
+        top_k: saturate(d.sampling.top_k),
+        top_p: d.sampling.top_p,
+        seed: d.sampling.seed,
+        stop_tokens: std::ptr::null(),
+        n_stop_tokens: 0,
+    }
+}
+
+fn check_size(found: usize, needed: usize, what: &str) -> FfiResult {
+    if found < needed {
+        return Err(Failure::invalid(format!(
+            "{what}.struct_size is {found}, need at least {needed}: initialize it with \
+             {what}'s default_params function"
+        )));
+    }
+    Ok(())
+}
+
+/// A loop count argument: TL_LOOPS_DEFAULT means the model default; 0 and other negative values
+/// are passed on or rejected so that the message names the valid range.
+pub(crate) fn loops_arg(loops: i32) -> FfiResult<Option<usize>> {
+    match loops {
+        TL_LOOPS_DEFAULT => Ok(None),
+        l if l < 0 => Err(Failure::invalid(format!(
+            "loops must be >= 1 or TL_LOOPS_DEFAULT (-1), got {l}"
+        ))),
+        l => Ok(Some(l as usize)),
+    }
+}
+
+/// Token ids from C: non-negative `int32_t`. An empty sequence is returned as empty (the
+/// engine rejects it where it matters).
+///
+/// # Safety
+/// `ptr` must be NULL or valid for reads of `n` values.
+pub(crate) unsafe fn tokens_arg(ptr: *const i32, n: usize, what: &str) -> FfiResult<Vec<u32>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if ptr.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL and valid for n reads by the caller's contract.
+    let raw = unsafe { std::slice::from_raw_parts(ptr, n) };
+    raw.iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            u32::try_from(t).map_err(|_| Failure::invalid(format!("{what}[{i}] is negative ({t})")))
+        })
+        .collect()
+}
+
+/// The prompt of a call: non-empty, non-negative.
+///
+/// # Safety
+/// As [`tokens_arg`].
+pub(crate) unsafe fn prompt_arg(ptr: *const i32, n: usize) -> FfiResult<Vec<u32>> {
+    if n == 0 {
+        return Err(Failure::invalid("empty token sequence (n_tokens is 0)"));
+    }
+    // SAFETY: forwarded contract.
+    unsafe { tokens_arg(ptr, n, "tokens") }
+}
+
+/// Convert model params (NULL = defaults) to [`ModelOptions`].
+///
+/// # Safety
+/// `params` must be NULL or point to a `tl_model_params` of at least its `struct_size` bytes
+/// whose `device` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<ModelOptions> {
+    let p = if params.is_null() {
+        default_model_params()
+    } else {
+        // SAFETY: non-NULL; the caller's struct is at least as large as `struct_size`, which we
+        // read first (it is the first field of every version of the struct).
+        let size = unsafe { std::ptr::addr_of!((*params).struct_size).read() };
+        check_size(
+            size,
+            std::mem::size_of::<tl_model_params>(),
+            "tl_model_params",
+        )?;
+        // SAFETY: the struct is at least as large as ours, so the whole read is in bounds.
+        unsafe { params.read() }
+    };
+    let device = if p.device.is_null() {
+        None
+    } else {
+        // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+        let name = unsafe { c_str(p.device, "tl_model_params.device") }?;
+        Some(name.parse::<Device>()?)
+    };
+    Ok(ModelOptions {
+        max_seq_len: p.max_seq_len as usize,
+        prefill_chunk: p.prefill_chunk as usize,
+        device,
+        max_loops: p.max_loops as usize,
+        log: p.log,
+    })
+}
+
+/// Convert generate params (NULL = defaults) to [`GenerateParams`].
+///
+/// # Safety
+/// `params` must be NULL or point to a `tl_generate_params` of at least its `struct_size`
+/// bytes, whose `stop_tokens` is valid for `n_stop_tokens` reads.
+pub(crate) unsafe fn generate_params(
+    params: *const tl_generate_params,
+) -> FfiResult<GenerateParams> {
+    let p = if params.is_null() {
+        default_generate_params()
+    } else {
+        // SAFETY: as in `model_options`: struct_size is the first field of every version.
+        let size = unsafe { std::ptr::addr_of!((*params).struct_size).read() };
+        check_size(
+            size,
+            std::mem::size_of::<tl_generate_params>(),
+            "tl_generate_params",
+        )?;
+        // SAFETY: the struct is at least as large as ours.
+        unsafe { params.read() }
+    };
+    // SAFETY: the caller's contract covers stop_tokens / n_stop_tokens.
+    let stop_tokens = unsafe {
+        tokens_arg(
+            p.stop_tokens,
+            p.n_stop_tokens,
+            "tl_generate_params.stop_tokens",
+        )
+    }?;
+    Ok(GenerateParams {
+        max_tokens: p.max_tokens as usize,
+        loops: loops_arg(p.loops)?,
+        sampling: SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: p.top_p,
+            seed: p.seed,
+        },
+        stop_tokens,
+    })
+}
+
+/// Fill `*params` with the defaults of this library version (including `struct_size`).
+///
+/// Ownership: the caller owns `*params`; `device` is set to NULL. Threads: any thread.
+///
+/// # Safety
+/// `params` must be NULL or valid for a write of `tl_model_params`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_model_default_params(params: *mut tl_model_params) -> tl_status {
+    super::boundary("tl_model_default_params", || {
+        super::non_null(params, "params")?;
+        // SAFETY: non-NULL and writable by the caller's contract.
+        unsafe { super::write_out(params, default_model_params()) };
+        Ok(())
+    })
+}
+
+/// Fill `*params` with the defaults of this library version (including `struct_size`): greedy,
+/// max_tokens 128, loops TL_LOOPS_DEFAULT, no stop tokens.
+///
+/// Ownership: the caller owns `*params` and the stop-token array it may point to later.
+/// Threads: any thread.
+///
+/// # Safety
+/// `params` must be NULL or valid for a write of `tl_generate_params`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_generate_default_params(params: *mut tl_generate_params) -> tl_status {
+    super::boundary("tl_generate_default_params", || {
+        super::non_null(params, "params")?;
+        // SAFETY: non-NULL and writable by the caller's contract.
+        unsafe { super::write_out(params, default_generate_params()) };
+        Ok(())
+    })
+}
+
+/// Check the `struct_size` of a config out-struct before writing it.
+///
+/// # Safety
+/// `config` must be non-NULL and valid for reads of its first field.
+pub(crate) unsafe fn check_config_size(config: *const tl_config) -> FfiResult {
+    // SAFETY: caller's contract.
+    let size = unsafe { std::ptr::addr_of!((*config).struct_size).read() };
+    check_size(size, std::mem::size_of::<tl_config>(), "tl_config")
+}
+
+/// Check an output buffer `(out, cap, len)` against the length a call needs, before any work.
+/// When it is too small, `*len = required` and the call fails with `TL_ERR_BUFFER_TOO_SMALL`
+/// (`out` may then be NULL: a size query).
+///
+/// # Safety
+/// `len` must be NULL or valid for a write.
+pub(crate) unsafe fn check_buffer<T>(
+    out: *mut T,
+    cap: usize,
+    len: *mut usize,
+    required: usize,
+) -> FfiResult {
+    super::non_null(len, "len")?;
+    if cap < required {
+        // SAFETY: non-NULL and writable by the caller's contract.
+        unsafe { super::write_out(len, required) };
+        return Err(Failure::new(
+            tl_status::TL_ERR_BUFFER_TOO_SMALL,
+            format!("out holds {cap} elements, the call needs {required} (written to *len)"),
+        ));
+    }
+    super::non_null(out, "out")
+}
+
+/// Copy `data` to a buffer already checked by [`check_buffer`] and set `*len`.
+///
+/// # Safety
+/// `out` must be valid for `data.len()` writes and `len` for one write.
+pub(crate) unsafe fn write_buffer<T: Copy>(out: *mut T, data: &[T], len: *mut usize) {
+    // SAFETY: checked non-NULL with capacity >= data.len() by check_buffer; caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), out, data.len());
+        super::write_out(len, data.len());
+    }
+}

@@ -1,0 +1,769 @@
+/* C ABI test: drives every row of the bad-input table in docs/ABI.md, the buffer / ownership
+ * conventions, concurrency (BUSY, cancellation, close while running) and the two-thread session
+ * test (concurrent results equal sequential ones).
+ *
+ *   cc -std=c11 -pthread -Iinclude tests/c/abi_test.c -Ltarget/release -ltinyloop -lm -o abi_test
+ *   ./abi_test tiny.tinyloop
+ *
+ * The model must have a byte vocabulary (vocab_size 256), e.g. `tinyloop synth --preset tiny`.
+ * Prints one line per check and "abi_test: N passed, M failed"; exit status 1 on any failure.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tinyloop.h"
+
+static int passed = 0, failed = 0;
+
+/* Check that `call` returned `want`; on failure print the message of the last error. */
+#define EXPECT(call, want, label)                                                               \
+    do {                                                                                        \
+        tl_status got_ = (call);                                                                \
+        if (got_ == (want)) {                                                                   \
+            passed++;                                                                           \
+            printf("ok   %-58s %s\n", label, tl_status_string(got_));                           \
+        } else {                                                                                \
+            failed++;                                                                           \
+            printf("FAIL %-58s got %s, want %s (%s)\n", label, tl_status_string(got_),          \
+                   tl_status_string(want), tl_last_error_message());                            \
+        }                                                                                       \
+    } while (0)
+
+#define CHECK(cond, label)                                                                      \
+    do {                                                                                        \
+        if (cond) {                                                                             \
+            passed++;                                                                           \
+            printf("ok   %s\n", label);                                                         \
+        } else {                                                                                \
+            failed++;                                                                           \
+            printf("FAIL %s (line %d)\n", label, __LINE__);                                     \
+        }                                                                                       \
+    } while (0)
+
+static const char *model_path;
+static const int32_t PROMPT[] = {82, 79, 77, 69, 79, 58}; /* "ROMEO:" */
+#define N_PROMPT (sizeof PROMPT / sizeof PROMPT[0])
+
+static tl_model *open_model(uint32_t max_seq_len) {
+    tl_model_params mp;
+    tl_model_default_params(&mp);
+    mp.max_seq_len = max_seq_len;
+    mp.device = "cpu";
+    mp.log = false;
+    tl_model *m = NULL;
+    if (tl_model_open(model_path, &mp, &m) != TL_OK) {
+        fprintf(stderr, "cannot open %s: %s\n", model_path, tl_last_error_message());
+        exit(2);
+    }
+    return m;
+}
+
+static tl_generate_params gen_params(uint32_t max_tokens) {
+    tl_generate_params gp;
+    tl_generate_default_params(&gp);
+    gp.max_tokens = max_tokens;
+    return gp;
+}
+
+static bool keep_going(int32_t token, void *user_data) {
+    (void)token;
+    (void)user_data;
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: NULL for every pointer argument.                                                    */
+
+static void test_null_arguments(tl_model *m) {
+    tl_session *s = NULL;
+    EXPECT(tl_session_new(m, &s), TL_OK, "setup: tl_session_new");
+    tl_generate_params gp = gen_params(4);
+    int32_t out[8];
+    float logits[512];
+    size_t len = 0;
+    double mb = 0;
+    tl_config cfg;
+    cfg.struct_size = sizeof cfg;
+    char dev[64];
+    tl_model *never = NULL;
+
+    EXPECT(tl_model_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_model_default_params(NULL)");
+    EXPECT(tl_generate_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate_default_params(NULL)");
+    EXPECT(tl_model_open(NULL, NULL, &never), TL_ERR_INVALID_ARGUMENT, "tl_model_open path NULL");
+    EXPECT(tl_model_open(model_path, NULL, NULL), TL_ERR_INVALID_ARGUMENT, "tl_model_open out_model NULL");
+    CHECK(never == NULL, "tl_model_open leaves *out_model unwritten on failure");
+    EXPECT(tl_model_config(NULL, &cfg), TL_ERR_INVALID_ARGUMENT, "tl_model_config model NULL");
+    EXPECT(tl_model_config(m, NULL), TL_ERR_INVALID_ARGUMENT, "tl_model_config config NULL");
+    EXPECT(tl_vram_usage_mb(NULL, &mb), TL_ERR_INVALID_ARGUMENT, "tl_vram_usage_mb model NULL");
+    EXPECT(tl_vram_usage_mb(m, NULL), TL_ERR_INVALID_ARGUMENT, "tl_vram_usage_mb out_mb NULL");
+    EXPECT(tl_model_device(NULL, dev, sizeof dev, &len), TL_ERR_INVALID_ARGUMENT, "tl_model_device model NULL");
+    EXPECT(tl_model_device(m, dev, sizeof dev, NULL), TL_ERR_INVALID_ARGUMENT, "tl_model_device len NULL");
+    EXPECT(tl_model_device(m, NULL, sizeof dev, &len), TL_ERR_INVALID_ARGUMENT, "tl_model_device out NULL, cap > 0");
+    EXPECT(tl_cancel(NULL), TL_ERR_INVALID_ARGUMENT, "tl_cancel(NULL)");
+    EXPECT(tl_session_cancel(NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_cancel(NULL)");
+    EXPECT(tl_session_new(NULL, &s), TL_ERR_INVALID_ARGUMENT, "tl_session_new model NULL");
+    EXPECT(tl_session_new(m, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_new out_session NULL");
+
+    EXPECT(tl_generate(NULL, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_generate model NULL");
+    EXPECT(tl_generate(m, NULL, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_generate tokens NULL");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, NULL, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_generate out NULL, cap > 0");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate len NULL");
+    EXPECT(tl_generate_stream(NULL, PROMPT, N_PROMPT, &gp, keep_going, NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate_stream model NULL");
+    EXPECT(tl_generate_stream(m, NULL, N_PROMPT, &gp, keep_going, NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate_stream tokens NULL");
+    EXPECT(tl_generate_stream(m, PROMPT, N_PROMPT, &gp, NULL, NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate_stream callback NULL");
+    EXPECT(tl_score_last(NULL, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last model NULL");
+    EXPECT(tl_score_last(m, NULL, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last tokens NULL");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last out NULL, cap > 0");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_score_last len NULL");
+
+    EXPECT(tl_score(NULL, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score model NULL");
+    EXPECT(tl_score(m, NULL, 1, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score tokens NULL");
+    EXPECT(tl_score(m, PROMPT, 1, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score out NULL");
+    EXPECT(tl_score(m, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_score len NULL");
+    EXPECT(tl_logprobs(NULL, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs model NULL");
+    EXPECT(tl_logprobs(m, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs tokens NULL");
+    EXPECT(tl_logprobs(m, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs out NULL");
+    EXPECT(tl_logprobs(m, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_logprobs len NULL");
+
+    EXPECT(tl_session_generate(NULL, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_generate session NULL");
+    EXPECT(tl_session_generate(s, NULL, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_generate tokens NULL");
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, NULL, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_generate out NULL");
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_generate len NULL");
+    EXPECT(tl_session_generate_stream(NULL, PROMPT, N_PROMPT, &gp, keep_going, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_generate_stream session NULL");
+    EXPECT(tl_session_generate_stream(s, NULL, N_PROMPT, &gp, keep_going, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_generate_stream tokens NULL");
+    EXPECT(tl_session_generate_stream(s, PROMPT, N_PROMPT, &gp, NULL, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_generate_stream callback NULL");
+    EXPECT(tl_session_score_last(NULL, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score_last session NULL");
+    EXPECT(tl_session_score_last(s, NULL, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score_last tokens NULL");
+    EXPECT(tl_session_score_last(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score_last out NULL");
+    EXPECT(tl_session_score_last(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_score_last len NULL");
+    EXPECT(tl_session_score(NULL, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score session NULL");
+    EXPECT(tl_session_score(s, NULL, 1, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score tokens NULL");
+    EXPECT(tl_session_score(s, PROMPT, 1, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score out NULL");
+    EXPECT(tl_session_score(s, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_score len NULL");
+    EXPECT(tl_session_logprobs(NULL, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs session NULL");
+    EXPECT(tl_session_logprobs(s, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs tokens NULL");
+    EXPECT(tl_session_logprobs(s, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs out NULL");
+    EXPECT(tl_session_logprobs(s, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs len NULL");
+
+    /* NULL where NULL means "default" or "nothing". */
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, NULL, out, 8, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_generate params NULL = defaults (max_tokens 128 > cap 8)");
+    CHECK(len == 128, "  ... required length 128 reported");
+    gp.stop_tokens = NULL;
+    gp.n_stop_tokens = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "params.stop_tokens NULL with n_stop_tokens 0");
+    gp.n_stop_tokens = 2;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "params.stop_tokens NULL with n_stop_tokens 2");
+    gp.n_stop_tokens = 0;
+    EXPECT(tl_generate_stream(m, PROMPT, N_PROMPT, &gp, keep_going, NULL), TL_OK, "tl_generate_stream user_data NULL");
+    EXPECT(tl_close(NULL), TL_OK, "tl_close(NULL)");
+    tl_model_free(NULL);
+    tl_session_free(NULL);
+    CHECK(1, "tl_model_free(NULL), tl_session_free(NULL) return");
+    CHECK(strcmp(tl_status_string(12345), "TL_UNKNOWN_STATUS") == 0, "tl_status_string(unknown)");
+    CHECK(strcmp(tl_status_string(TL_ERR_BUSY), "TL_ERR_BUSY") == 0, "tl_status_string(TL_ERR_BUSY)");
+    tl_session_free(s);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: bad values.                                                                         */
+
+static void test_bad_values(tl_model *m) {
+    tl_generate_params gp = gen_params(4);
+    int32_t out[8];
+    float logits[512];
+    size_t len = 12345;
+
+    EXPECT(tl_generate(m, PROMPT, 0, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "empty prompt (n_tokens 0)");
+    CHECK(len == 12345, "  ... *len unwritten on failure");
+    EXPECT(tl_generate(m, NULL, 0, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "empty prompt (tokens NULL, n_tokens 0)");
+    EXPECT(tl_score_last(m, PROMPT, 0, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "empty prompt to tl_score_last");
+    int32_t big[] = {1, 2, 256};
+    EXPECT(tl_generate(m, big, 3, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "token == vocab_size");
+    big[2] = 1 << 30;
+    EXPECT(tl_score_last(m, big, 3, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "token > vocab_size (score_last)");
+    int32_t neg[] = {1, -5};
+    EXPECT(tl_generate(m, neg, 2, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "negative token");
+
+    gp.temperature = -0.5f;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "temperature < 0");
+    gp.temperature = NAN;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "temperature NaN");
+    gp.temperature = INFINITY;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "temperature inf");
+    gp = gen_params(4);
+    gp.temperature = 0.8f;
+    gp.top_p = 0.0f;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "top_p 0");
+    gp.top_p = 1.5f;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "top_p 1.5");
+    gp.top_p = -0.1f;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "top_p < 0");
+    gp.top_p = NAN;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "top_p NaN");
+    gp.top_p = 1.0f;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "top_p 1 (sampling, seed 0)");
+
+    gp = gen_params(4);
+    gp.loops = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "loops 0");
+    gp.loops = 65; /* default max_loops is 64 */
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "loops above max_loops");
+    gp.loops = -2;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "loops -2");
+    gp.loops = 64;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "loops == max_loops");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, 0, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last loops 0");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, 65, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last loops above max_loops");
+
+    gp = gen_params(0);
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "max_tokens 0");
+
+    gp = gen_params(4);
+    int32_t stop_bad[] = {300};
+    gp.stop_tokens = stop_bad;
+    gp.n_stop_tokens = 1;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "stop token >= vocab_size");
+    stop_bad[0] = -1;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "negative stop token");
+
+    /* struct_size */
+    gp = gen_params(4);
+    gp.struct_size = sizeof gp - 1;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_generate_params.struct_size too small");
+    gp.struct_size = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_generate_params.struct_size 0");
+    struct {
+        tl_generate_params p;
+        char future[32];
+    } bigger;
+    memset(&bigger, 0x7f, sizeof bigger);
+    bigger.p = gen_params(4);
+    bigger.p.struct_size = sizeof bigger;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &bigger.p, out, 8, &len), TL_OK, "tl_generate_params.struct_size larger (forward compat)");
+    tl_config cfg;
+    cfg.struct_size = 8;
+    EXPECT(tl_model_config(m, &cfg), TL_ERR_INVALID_ARGUMENT, "tl_config.struct_size too small");
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: output buffers.                                                                     */
+
+static void test_buffers(tl_model *m) {
+    tl_generate_params gp = gen_params(6);
+    int32_t out[8] = {-7, -7, -7, -7, -7, -7, -7, -7};
+    float logits[512];
+    size_t len = 0;
+
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 5, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_generate cap < max_tokens");
+    CHECK(len == 6, "  ... *len = max_tokens (6)");
+    CHECK(out[0] == -7, "  ... out untouched");
+    len = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_generate size query (NULL, 0)");
+    CHECK(len == 6, "  ... *len = 6");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 6, &len), TL_OK, "tl_generate cap == max_tokens");
+    CHECK(len == 6 && out[0] >= 0 && out[0] < 256, "  ... 6 tokens in range");
+
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 255, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_score_last cap < vocab_size");
+    CHECK(len == 256, "  ... *len = vocab_size (256)");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 512, &len), TL_OK, "tl_score_last cap > vocab_size");
+    CHECK(len == 256, "  ... *len = 256");
+
+    static float rows[6 * 256];
+    EXPECT(tl_score(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_score size query");
+    CHECK(len == 6 * 256, "  ... *len = n * vocab");
+    EXPECT(tl_score(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, rows, 6 * 256, &len), TL_OK, "tl_score");
+    EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 4, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_logprobs cap < n - 1");
+    CHECK(len == 5, "  ... *len = 5");
+    EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 5, &len), TL_OK, "tl_logprobs");
+
+    char dev[64];
+    EXPECT(tl_model_device(m, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_model_device size query");
+    size_t need = len;
+    EXPECT(tl_model_device(m, dev, need, &len), TL_OK, "tl_model_device exact size");
+    CHECK(strlen(dev) + 1 == need, "  ... NUL-terminated, *len includes the NUL");
+
+    tl_session *s = NULL;
+    EXPECT(tl_session_new(m, &s), TL_OK, "setup: tl_session_new");
+    static float all[6 * 256];
+    EXPECT(tl_session_score(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, all, 6 * 256 - 1, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_session_score cap < n * vocab");
+    CHECK(len == 6 * 256, "  ... *len = n * vocab (1536)");
+    EXPECT(tl_session_score(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, all, 6 * 256, &len), TL_OK, "tl_session_score");
+    EXPECT(tl_session_score_last(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_OK, "tl_session_score_last");
+    /* The last row of score equals score_last within f32 rounding of two identical code paths. */
+    CHECK(memcmp(all + 5 * 256, logits, 256 * sizeof(float)) == 0, "  ... last row of tl_session_score == tl_session_score_last (bitwise)");
+    EXPECT(tl_session_logprobs(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 4, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_session_logprobs cap < n - 1");
+    CHECK(len == 5, "  ... *len = n - 1 (5)");
+    EXPECT(tl_session_logprobs(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 5, &len), TL_OK, "tl_session_logprobs");
+    int lp_ok = len == 5;
+    for (size_t i = 0; i < 5; i++) lp_ok = lp_ok && logits[i] <= 0.0f && isfinite(logits[i]);
+    CHECK(lp_ok, "  ... 5 finite log-probabilities <= 0");
+    EXPECT(tl_session_logprobs(s, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 5, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs with 1 token");
+    tl_session_free(s);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: open failures, sequence length.                                                     */
+
+static void test_open_and_lengths(void) {
+    tl_model *m = NULL;
+    tl_model_params mp;
+    tl_model_default_params(&mp);
+    mp.log = false;
+    mp.device = "cpu";
+
+    EXPECT(tl_model_open("/nonexistent/model.tinyloop", &mp, &m), TL_ERR_IO, "open missing file");
+    CHECK(strstr(tl_last_error_message(), "tl_model_open") != NULL, "  ... message names tl_model_open");
+    char garbage_path[] = "/tmp/tl_abi_garbage_XXXXXX";
+    int fd = mkstemp(garbage_path);
+    if (fd >= 0) {
+        const char junk[] = "this is not a tinyloop file at all, just some bytes";
+        if (write(fd, junk, sizeof junk) < 0) perror("write");
+        close(fd);
+    }
+    EXPECT(tl_model_open(garbage_path, &mp, &m), TL_ERR_FORMAT, "open a file with bad magic");
+    CHECK(strlen(tl_last_error_message()) > 0, "  ... message names the failure point");
+    printf("     (%s)\n", tl_last_error_message());
+    unlink(garbage_path);
+    /* A truncated copy of the real model. */
+    FILE *src = fopen(model_path, "rb");
+    char trunc_path[] = "/tmp/tl_abi_trunc_XXXXXX";
+    fd = mkstemp(trunc_path);
+    if (src && fd >= 0) {
+        char buf[4096];
+        size_t n = fread(buf, 1, sizeof buf, src);
+        if (write(fd, buf, n / 2) < 0) perror("write");
+    }
+    if (src) fclose(src);
+    if (fd >= 0) close(fd);
+    EXPECT(tl_model_open(trunc_path, &mp, &m), TL_ERR_FORMAT, "open a truncated file");
+    printf("     (%s)\n", tl_last_error_message());
+    unlink(trunc_path);
+
+    mp.max_seq_len = 0;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "max_seq_len 0");
+    mp.max_seq_len = 64;
+    mp.max_loops = 0;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "max_loops 0");
+    mp.max_loops = 64;
+    mp.device = "tpu";
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "device \"tpu\"");
+    mp.device = "cuda:99";
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_DEVICE, "device \"cuda:99\" (no such GPU)");
+    mp.device = "cpu";
+    mp.struct_size = 4;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "tl_model_params.struct_size too small");
+    CHECK(m == NULL, "  ... no handle written by failed opens");
+    tl_model_default_params(&mp);
+    mp.log = false;
+    mp.device = "cpu";
+    mp.max_seq_len = 16;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_OK, "open with max_seq_len 16");
+    if (m == NULL) return;
+
+    int32_t long_prompt[20];
+    for (int i = 0; i < 20; i++) long_prompt[i] = 65 + i;
+    tl_generate_params gp = gen_params(1);
+    int32_t out[16];
+    float logits[256];
+    size_t len;
+    EXPECT(tl_generate(m, long_prompt, 17, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt (17) longer than max_seq_len (16)");
+    EXPECT(tl_score_last(m, long_prompt, 17, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last prompt longer than max_seq_len");
+    gp = gen_params(8);
+    EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt + max_tokens (10 + 8) > max_seq_len (16)");
+    gp = gen_params(6);
+    EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "prompt + max_tokens == max_seq_len");
+    tl_model_free(m);
+
+    /* prefill_chunk: score calls refuse sequences longer than the chunk, generate accepts them. */
+    tl_model_default_params(&mp);
+    mp.log = false;
+    mp.device = "cpu";
+    mp.max_seq_len = 64;
+    mp.prefill_chunk = 4;
+    m = NULL;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_OK, "open with prefill_chunk 4");
+    if (m == NULL) return;
+    EXPECT(tl_score_last(m, long_prompt, 5, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last n > prefill_chunk");
+    gp = gen_params(4);
+    EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "tl_generate n > prefill_chunk (chunked prefill)");
+    tl_model_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: use after close.                                                                    */
+
+static void test_use_after_close(void) {
+    tl_model *m = open_model(64);
+    tl_session *s = NULL;
+    EXPECT(tl_session_new(m, &s), TL_OK, "setup: session before close");
+    EXPECT(tl_close(m), TL_OK, "tl_close");
+    EXPECT(tl_close(m), TL_OK, "tl_close again (idempotent)");
+    tl_generate_params gp = gen_params(4);
+    int32_t out[8];
+    float logits[256];
+    size_t len;
+    double mb;
+    char dev[64];
+    tl_config cfg;
+    cfg.struct_size = sizeof cfg;
+    tl_session *s2 = NULL;
+
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_CLOSED, "tl_generate after close");
+    CHECK(strstr(tl_last_error_message(), "tl_generate") != NULL, "  ... message names tl_generate");
+    printf("     (%s)\n", tl_last_error_message());
+    EXPECT(tl_generate_stream(m, PROMPT, N_PROMPT, &gp, keep_going, NULL), TL_ERR_CLOSED, "tl_generate_stream after close");
+    CHECK(strstr(tl_last_error_message(), "tl_generate_stream") != NULL, "  ... message names tl_generate_stream");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_score_last after close");
+    EXPECT(tl_score(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_score after close");
+    EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_logprobs after close");
+    EXPECT(tl_model_config(m, &cfg), TL_ERR_CLOSED, "tl_model_config after close");
+    EXPECT(tl_vram_usage_mb(m, &mb), TL_ERR_CLOSED, "tl_vram_usage_mb after close");
+    CHECK(strstr(tl_last_error_message(), "tl_vram_usage_mb") != NULL, "  ... message names tl_vram_usage_mb");
+    EXPECT(tl_model_device(m, dev, sizeof dev, &len), TL_ERR_CLOSED, "tl_model_device after close");
+    EXPECT(tl_session_new(m, &s2), TL_ERR_CLOSED, "tl_session_new after close");
+    EXPECT(tl_cancel(m), TL_OK, "tl_cancel after close (no-op)");
+    /* A session made before close keeps the weights alive and keeps working. */
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "session made before close still generates");
+    tl_model_free(m);
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "... and after tl_model_free of its model");
+    tl_session_free(s);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: concurrent use (BUSY), cancellation, close while running.                           */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int started;  /* the first token arrived */
+    int release;  /* the callback may return */
+    int tokens;
+    const tl_model *model;     /* for tl_cancel / re-entry from the callback */
+    const tl_session *session; /* for tl_session_cancel from the callback */
+    tl_status reentry;         /* status of a call made from inside the callback */
+    int mode;                  /* 0: block on first token; 1: cancel self; 2: re-enter; 3: slow */
+} gate;
+
+static void gate_init(gate *g, int mode) {
+    memset(g, 0, sizeof *g);
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    g->mode = mode;
+    g->reentry = TL_OK;
+}
+
+static void gate_destroy(gate *g) {
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+}
+
+static bool gate_callback(int32_t token, void *user_data) {
+    (void)token;
+    gate *g = user_data;
+    pthread_mutex_lock(&g->mu);
+    g->tokens++;
+    int first = g->tokens == 1;
+    if (first) {
+        g->started = 1;
+        pthread_cond_broadcast(&g->cv);
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (first && g->mode == 0) {
+        pthread_mutex_lock(&g->mu);
+        while (!g->release) pthread_cond_wait(&g->cv, &g->mu);
+        pthread_mutex_unlock(&g->mu);
+    }
+    if (first && g->mode == 1) {
+        if (g->session) tl_session_cancel(g->session);
+        else tl_cancel(g->model);
+    }
+    if (first && g->mode == 2) {
+        int32_t out[4];
+        size_t len;
+        tl_generate_params gp = gen_params(2);
+        if (g->session) g->reentry = tl_session_generate(g->session, PROMPT, N_PROMPT, &gp, out, 4, &len);
+        else g->reentry = tl_close((tl_model *)g->model);
+    }
+    if (g->mode == 3) usleep(5000);
+    return true;
+}
+
+static void gate_wait_started(gate *g) {
+    pthread_mutex_lock(&g->mu);
+    while (!g->started) pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void gate_release(gate *g) {
+    pthread_mutex_lock(&g->mu);
+    g->release = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+typedef struct {
+    tl_model *model;
+    tl_session *session;
+    gate *g;
+    uint32_t max_tokens;
+    tl_status status;
+} stream_job;
+
+static void *stream_thread(void *arg) {
+    stream_job *job = arg;
+    tl_generate_params gp = gen_params(job->max_tokens);
+    if (job->session)
+        job->status = tl_session_generate_stream(job->session, PROMPT, N_PROMPT, &gp, gate_callback, job->g);
+    else
+        job->status = tl_generate_stream(job->model, PROMPT, N_PROMPT, &gp, gate_callback, job->g);
+    return NULL;
+}
+
+static void test_busy(void) {
+    tl_model *m = open_model(256);
+    tl_generate_params gp = gen_params(4);
+    int32_t out[8];
+    float logits[256];
+    size_t len;
+
+    /* Model handle: a stream blocked in its callback holds the default session. */
+    gate g;
+    gate_init(&g, 0);
+    stream_job job = {m, NULL, &g, 8, TL_OK};
+    pthread_t t;
+    pthread_create(&t, NULL, stream_thread, &job);
+    gate_wait_started(&g);
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_BUSY, "tl_generate while another thread streams (model)");
+    CHECK(strstr(tl_last_error_message(), "busy") != NULL, "  ... message says busy");
+    EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_BUSY, "tl_score_last while another thread streams (model)");
+    EXPECT(tl_generate_stream(m, PROMPT, N_PROMPT, &gp, keep_going, NULL), TL_ERR_BUSY, "tl_generate_stream while another thread streams");
+    EXPECT(tl_score(m, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_BUSY, "tl_score while another thread streams (model)");
+    EXPECT(tl_logprobs(m, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_BUSY, "tl_logprobs while another thread streams (model)");
+    double mb;
+    EXPECT(tl_vram_usage_mb(m, &mb), TL_OK, "tl_vram_usage_mb does not wait for a running call");
+    tl_config cfg;
+    cfg.struct_size = sizeof cfg;
+    EXPECT(tl_model_config(m, &cfg), TL_OK, "tl_model_config does not wait for a running call");
+    tl_session *other = NULL;
+    EXPECT(tl_session_new(m, &other), TL_OK, "tl_session_new while the default session is busy");
+    EXPECT(tl_session_generate(other, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "another session runs meanwhile");
+    gate_release(&g);
+    pthread_join(t, NULL);
+    EXPECT(job.status, TL_OK, "the blocked stream completes");
+    CHECK(g.tokens == 8, "  ... with all 8 tokens");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "model usable again afterwards");
+    gate_destroy(&g);
+
+    /* Session handle. */
+    gate_init(&g, 0);
+    stream_job sjob = {NULL, other, &g, 8, TL_OK};
+    pthread_create(&t, NULL, stream_thread, &sjob);
+    gate_wait_started(&g);
+    EXPECT(tl_session_generate(other, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_BUSY, "tl_session_generate while another thread streams");
+    EXPECT(tl_session_score_last(other, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_BUSY, "tl_session_score_last while busy");
+    EXPECT(tl_session_score(other, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_BUSY, "tl_session_score while busy");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "the model's default session is independent");
+    gate_release(&g);
+    pthread_join(t, NULL);
+    EXPECT(sjob.status, TL_OK, "the blocked session stream completes");
+    gate_destroy(&g);
+
+    /* Re-entry from inside a callback. */
+    gate_init(&g, 2);
+    g.session = other;
+    tl_generate_params gp8 = gen_params(8);
+    EXPECT(tl_session_generate_stream(other, PROMPT, N_PROMPT, &gp8, gate_callback, &g), TL_OK, "stream whose callback re-enters its session");
+    EXPECT(g.reentry, TL_ERR_BUSY, "  ... the re-entrant call gets TL_ERR_BUSY");
+    gate_destroy(&g);
+    gate_init(&g, 2);
+    g.model = m;
+    EXPECT(tl_generate_stream(m, PROMPT, N_PROMPT, &gp8, gate_callback, &g), TL_OK, "stream whose callback calls tl_close on its model");
+    EXPECT(g.reentry, TL_ERR_BUSY, "  ... tl_close from the callback gets TL_ERR_BUSY (no deadlock)");
+    gate_destroy(&g);
+
+    tl_session_free(other);
+    tl_model_free(m);
+}
+
+static void test_cancel(void) {
+    tl_model *m = open_model(512);
+    tl_session *s = NULL;
+    tl_session_new(m, &s);
+    int32_t out[300];
+    size_t len = 777;
+
+    /* Cancel from another thread while the callback holds the first token. */
+    gate g;
+    gate_init(&g, 0);
+    stream_job job = {NULL, s, &g, 200, TL_OK};
+    pthread_t t;
+    pthread_create(&t, NULL, stream_thread, &job);
+    gate_wait_started(&g);
+    EXPECT(tl_session_cancel(s), TL_OK, "tl_session_cancel from another thread");
+    gate_release(&g);
+    pthread_join(t, NULL);
+    EXPECT(job.status, TL_ERR_CANCELLED, "the cancelled session stream returns TL_ERR_CANCELLED");
+    CHECK(g.tokens == 1, "  ... after exactly one token");
+    gate_destroy(&g);
+
+    gate_init(&g, 0);
+    stream_job mjob = {m, NULL, &g, 200, TL_OK};
+    pthread_create(&t, NULL, stream_thread, &mjob);
+    gate_wait_started(&g);
+    EXPECT(tl_cancel(m), TL_OK, "tl_cancel (model) from another thread");
+    gate_release(&g);
+    pthread_join(t, NULL);
+    EXPECT(mjob.status, TL_ERR_CANCELLED, "the cancelled model stream returns TL_ERR_CANCELLED");
+    gate_destroy(&g);
+
+    /* Cancel from inside the callback. */
+    gate_init(&g, 1);
+    g.session = s;
+    tl_generate_params gp = gen_params(200);
+    EXPECT(tl_session_generate_stream(s, PROMPT, N_PROMPT, &gp, gate_callback, &g), TL_ERR_CANCELLED, "tl_session_cancel from inside the callback");
+    gate_destroy(&g);
+
+    /* A cancel does not leak into the next call; tl_generate output is unwritten when cancelled. */
+    gp = gen_params(8);
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 300, &len), TL_OK, "next call after a cancel runs normally");
+    CHECK(len == 8, "  ... 8 tokens");
+
+    /* tl_close while another thread streams: the stream is cancelled, close waits for it. */
+    gate_init(&g, 3);
+    stream_job cjob = {m, NULL, &g, 200, TL_OK};
+    pthread_create(&t, NULL, stream_thread, &cjob);
+    gate_wait_started(&g);
+    EXPECT(tl_close(m), TL_OK, "tl_close while another thread streams on the model");
+    pthread_join(t, NULL);
+    EXPECT(cjob.status, TL_ERR_CANCELLED, "  ... the running stream returns TL_ERR_CANCELLED");
+    size_t got = len;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 300, &len), TL_ERR_CLOSED, "  ... and later calls TL_ERR_CLOSED");
+    CHECK(len == got, "  ... *len unwritten");
+    gate_destroy(&g);
+
+    tl_session_free(s);
+    tl_model_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Two threads, each with its own session over one shared model, generate concurrently; the  */
+/* results equal sequential runs (greedy and seeded sampling are deterministic).              */
+
+typedef struct {
+    tl_session *session;
+    const int32_t *prompt;
+    size_t n_prompt;
+    tl_generate_params params;
+    int32_t out[64];
+    size_t len;
+    tl_status status;
+} gen_job;
+
+static void *gen_thread(void *arg) {
+    gen_job *job = arg;
+    for (int rep = 0; rep < 3 && job->status == TL_OK; rep++)
+        job->status = tl_session_generate(job->session, job->prompt, job->n_prompt, &job->params,
+                                          job->out, 64, &job->len);
+    return NULL;
+}
+
+static void test_concurrent_sessions(void) {
+    tl_model *m = open_model(256);
+    static const int32_t p1[] = {72, 101, 108, 108, 111};      /* "Hello" */
+    static const int32_t p2[] = {84, 111, 32, 98, 101, 32, 111}; /* "To be o" */
+    gen_job seq[2], par[2];
+    memset(seq, 0, sizeof seq);
+    memset(par, 0, sizeof par);
+    tl_session *s[2] = {NULL, NULL};
+    EXPECT(tl_session_new(m, &s[0]), TL_OK, "setup: session 0");
+    EXPECT(tl_session_new(m, &s[1]), TL_OK, "setup: session 1");
+    for (int i = 0; i < 2; i++) {
+        seq[i].session = par[i].session = s[i];
+        seq[i].prompt = par[i].prompt = i == 0 ? p1 : p2;
+        seq[i].n_prompt = par[i].n_prompt = i == 0 ? 5 : 7;
+        seq[i].params = gen_params(48);
+        if (i == 1) {
+            seq[i].params.temperature = 0.9f;
+            seq[i].params.top_k = 40;
+            seq[i].params.top_p = 0.95f;
+            seq[i].params.seed = 1234;
+            seq[i].params.loops = 3;
+        }
+        par[i].params = seq[i].params;
+    }
+    gen_thread(&seq[0]);
+    gen_thread(&seq[1]);
+    EXPECT(seq[0].status, TL_OK, "sequential run, session 0 (greedy)");
+    EXPECT(seq[1].status, TL_OK, "sequential run, session 1 (sampled, seed 1234)");
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) pthread_create(&t[i], NULL, gen_thread, &par[i]);
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    EXPECT(par[0].status, TL_OK, "concurrent run, session 0");
+    EXPECT(par[1].status, TL_OK, "concurrent run, session 1");
+    for (int i = 0; i < 2; i++) {
+        char label[96];
+        snprintf(label, sizeof label, "session %d: concurrent tokens == sequential tokens (%zu)", i, seq[i].len);
+        CHECK(seq[i].len == par[i].len && seq[i].len > 0 &&
+                  memcmp(seq[i].out, par[i].out, seq[i].len * sizeof(int32_t)) == 0,
+              label);
+    }
+    tl_session_free(s[0]);
+    tl_session_free(s[1]);
+    tl_model_free(m);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+static void test_basics(void) {
+    CHECK(tl_abi_version() == TL_ABI_VERSION, "tl_abi_version() == TL_ABI_VERSION");
+    tl_model *m = open_model(256);
+    tl_config cfg;
+    cfg.struct_size = sizeof cfg;
+    EXPECT(tl_model_config(m, &cfg), TL_OK, "tl_model_config");
+    CHECK(cfg.vocab_size == 256 && cfg.dim > 0 && cfg.n_heads > 0 && cfg.default_loops > 0,
+          "  ... byte vocab, positive sizes");
+    CHECK(cfg.max_seq_len == 256 && cfg.max_loops == 64, "  ... open options echoed");
+    CHECK(strcmp(cfg.norm, "rmsnorm") == 0 || strcmp(cfg.norm, "layernorm") == 0, "  ... norm name");
+    double mb = -1;
+    EXPECT(tl_vram_usage_mb(m, &mb), TL_OK, "tl_vram_usage_mb");
+    CHECK(mb > 0, "  ... > 0 MB");
+    tl_generate_params gp = gen_params(12);
+    int32_t a[16], b[16];
+    size_t la, lb;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, a, 16, &la), TL_OK, "greedy generate");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, b, 16, &lb), TL_OK, "greedy generate again");
+    CHECK(la == 12 && la == lb && memcmp(a, b, la * sizeof *a) == 0, "  ... bit-identical across calls");
+    int32_t stop[] = {a[3]};
+    gp.stop_tokens = stop;
+    gp.n_stop_tokens = 1;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, b, 16, &lb), TL_OK, "generate with a stop token");
+    size_t first = 0;
+    while (a[first] != stop[0]) first++;
+    CHECK(lb == first && memcmp(a, b, lb * sizeof *a) == 0, "  ... stops before the stop token, which is not returned");
+    tl_model_free(m);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s MODEL.tinyloop (byte vocabulary)\n", argv[0]);
+        return 2;
+    }
+    model_path = argv[1];
+    test_basics();
+    tl_model *m = open_model(256);
+    test_null_arguments(m);
+    test_bad_values(m);
+    test_buffers(m);
+    tl_model_free(m);
+    test_open_and_lengths();
+    test_use_after_close();
+    test_busy();
+    test_cancel();
+    test_concurrent_sessions();
+    printf("abi_test: %d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}

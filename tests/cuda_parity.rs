@@ -1,0 +1,871 @@
+//! CUDA-vs-CPU parity. The CPU backend is the reference (docs/FORMAT.md "Numerics").
+//!
+//! * Ops one by one (linear at every bit width and row count, norms, RoPE + KV write, attention
+//!   for prefill and decode, SwiGLU, embedding, argmax) on random inputs.
+//! * Whole models: `tiny`, `small`, `tl-407m`, `tiny-gqa` (GQA, LayerNorm, k = 2, post block,
+//!   factorized tied head) at INT4, INT2 and FP16, loops 1, 4 and 8: logits of `score` (prefill
+//!   path) and of every decode step (the captured-graph path); greedy generation of 64 tokens
+//!   identical on `tiny` and `small`.
+//!
+//! Without a usable GPU each test writes "skipped: no CUDA device (why)" to stderr and returns;
+//! with TINYLOOP_REQUIRE_CUDA=1 (set by the GPU bundle's run-tests.sh) absence is a failure.
+//! Set TINYLOOP_PARITY_REPORT=FILE to append one line per measured case, and
+//! TINYLOOP_PARITY_QUICK=1 for a reduced matrix (loops 1 and 4, short generations), as used
+//! under compute-sanitizer.
+//!
+//! # Tolerances (relative L2 error ‖gpu − cpu‖₂ / ‖cpu‖₂)
+//!
+//! Both backends evaluate the same expression on the same f16-rounded inputs and round to f16 at
+//! the same points. They differ only in the order of f32 additions (tree reductions, split-K,
+//! tensor-core accumulation; the GPU also applies `scale · q + zero` per 32-wide group as
+//! `scale · Σ q·x + zero · Σ x`, the same sum regrouped). So:
+//!
+//! * **f32 ops** (linear, before any f16 rounding): the reordering error of a K-term dot product
+//!   is about √K · u · (Σ|wᵢxᵢ| / |Σ wᵢxᵢ|) with u = 2⁻²⁴; for random data the ratio is about √K,
+//!   so K · u ≈ 3·10⁻⁵ at K = 512. Tolerance `OP_TOL` = 1·10⁻⁴.
+//! * **f16-rounded ops** (norm, attention, SwiGLU): additionally, an f32 difference δ moves a value
+//!   across an f16 rounding midpoint with probability ≈ δ / 2⁻¹¹, changing it by one f16 ulp
+//!   (2⁻¹¹ relative); with δ ≈ 10⁻⁶ that is ≈ 0.2 % of the elements and ≈ 2·10⁻⁵ in L2.
+//!   Same `OP_TOL`.
+//! * **whole models**: each block application consumes f16-rounded activations; a flipped
+//!   rounding perturbs the residual stream by at most one f16 ulp of the activation it flips, so
+//!   after A block applications plus the head the logits differ by at most about (A + 1) · 2⁻¹¹
+//!   when every perturbation adds up (no cancellation). `model_tol(A) = (A + 1) · 2⁻¹¹`
+//!   (≈ 2.0·10⁻³ for tiny at L = 1, 5.4·10⁻³ for tl-407m at L = 8). Measured on an H200:
+//!   1.8·10⁻⁴ to 7·10⁻⁴, 4 to 13 times below (docs/PERF.md).
+//! * **greedy tokens**: identical (asserted exactly), since argmax margins of these random models
+//!   are far larger than the logit differences above.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use half::f16;
+use tinyloop::backend::cpu::CpuBackend;
+use tinyloop::backend::cuda::{CudaBackend, DevBuf};
+use tinyloop::backend::{rope_table, AttentionShape, Backend, HostLinear, StepInput};
+use tinyloop::format::DType;
+use tinyloop::generate::sampling::Rng;
+use tinyloop::model::forward::{decode_step, forward, greedy_token, Buffers};
+use tinyloop::model::quant::{f16_to_bytes, quantize_rtn};
+use tinyloop::model::synth::{preset, random_model};
+use tinyloop::model::weights::Weights;
+use tinyloop::{Device, Error, GenerateParams, Model, ModelFile, ModelOptions, NormKind};
+
+const OP_TOL: f64 = 1e-4;
+
+fn model_tol(applications: usize) -> f64 {
+    (applications + 1) as f64 * 2f64.powi(-11)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+/// Whether to run CUDA work: true with a device; otherwise print why and return false, or fail
+/// when TINYLOOP_REQUIRE_CUDA=1.
+fn cuda_or_skip(test: &str) -> bool {
+    match tinyloop::backend::cuda::available() {
+        Ok(_) => true,
+        Err(why) => {
+            if std::env::var("TINYLOOP_REQUIRE_CUDA").as_deref() == Ok("1") {
+                panic!("{test}: TINYLOOP_REQUIRE_CUDA=1 but there is no usable CUDA device: {why}");
+            }
+            // Straight to stderr: the test harness does not capture this, so a skip is visible.
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({why}): {test}");
+            false
+        }
+    }
+}
+
+fn quick() -> bool {
+    std::env::var("TINYLOOP_PARITY_QUICK").as_deref() == Ok("1")
+}
+
+fn loop_counts() -> &'static [usize] {
+    if quick() {
+        &[1, 4]
+    } else {
+        &[1, 4, 8]
+    }
+}
+
+fn report(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+    if let Ok(path) = std::env::var("TINYLOOP_PARITY_REPORT") {
+        static LOCK: Mutex<()> = Mutex::new(());
+        let _guard = LOCK.lock();
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+/// ‖a − b‖₂ / ‖b‖₂ in f64; NaN anywhere gives infinity.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() || y.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}
+
+fn normal(rng: &mut Rng) -> f32 {
+    let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
+    let u2 = rng.next_f64();
+    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+fn randn(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| scale * normal(rng)).collect()
+}
+
+fn gpu() -> CudaBackend {
+    CudaBackend::open(0).unwrap_or_else(|e| panic!("CUDA device present but unusable: {e}"))
+}
+
+/// Read an f16 buffer of either backend.
+trait Probe: Backend {
+    fn read_half(&self, x: &Self::Half, len: usize) -> Vec<f32>;
+}
+
+impl Probe for CpuBackend {
+    fn read_half(&self, x: &Vec<f32>, len: usize) -> Vec<f32> {
+        x[..len].to_vec()
+    }
+}
+
+impl Probe for CudaBackend {
+    fn read_half(&self, x: &DevBuf, len: usize) -> Vec<f32> {
+        CudaBackend::read_half(self, x, 0, len).unwrap()
+    }
+}
+
+fn half_buf<B: Backend>(b: &B, values: &[f32]) -> B::Half {
+    let n = values.len();
+    let mut f = b.alloc_float(n).unwrap();
+    b.write_float(&mut f, values).unwrap();
+    let mut h = b.alloc_half(n).unwrap();
+    b.to_half(&f, n, &mut h);
+    h
+}
+
+fn float_buf<B: Backend>(b: &B, values: &[f32]) -> B::Float {
+    let mut f = b.alloc_float(values.len()).unwrap();
+    b.write_float(&mut f, values).unwrap();
+    f
+}
+
+/// A random weight `[rows, cols]` stored at `bits` with `group` (bytes as in the file).
+fn host_weight(
+    rng: &mut Rng,
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    group: usize,
+) -> (DType, usize, Vec<u8>) {
+    let values = randn(rng, rows * cols, 1.0 / (cols as f32).sqrt());
+    let dtype = DType::from_bits(bits).unwrap();
+    if bits == 16 {
+        let h: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+        (dtype, cols, f16_to_bytes(&h))
+    } else {
+        let q = quantize_rtn(&values, rows, cols, dtype, group).unwrap();
+        (dtype, q.group_size, q.to_bytes())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+
+fn linear_on<B: Backend>(
+    b: &B,
+    w: &HostLinear,
+    x: &[f32],
+    first_row: usize,
+    rows: usize,
+    init: &[f32],
+    accumulate: bool,
+) -> Vec<f32> {
+    let lin = b.upload_linear(w).unwrap();
+    let xh = half_buf(b, x);
+    let mut out = float_buf(b, init);
+    b.linear(&xh, first_row, rows, &lin, &mut out, accumulate);
+    b.read_float(&out, 0, rows * w.rows).unwrap()
+}
+
+#[test]
+fn cuda_linear_matches_cpu() {
+    if !cuda_or_skip("cuda_linear_matches_cpu") {
+        return;
+    }
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng::new(7);
+    let mut worst = 0f64;
+    // (N, K, group): fast paths (K and group multiples of 32), then the generic fallback.
+    let shapes = [
+        (96, 128, 32),
+        (200, 256, 64),
+        (70, 512, 128),
+        (64, 2048, 128),
+        (48, 48, 16),
+        (33, 96, 96),
+    ];
+    for &(n, k, g) in &shapes {
+        for bits in [16, 4, 2] {
+            let (dtype, group_size, bytes) = host_weight(&mut rng, n, k, bits, g);
+            let w = HostLinear {
+                rows: n,
+                cols: k,
+                dtype,
+                group_size,
+                bytes: &bytes,
+            };
+            for rows in [1, 2, 3, 4, 5, 17, 70, 130] {
+                for (first_row, accumulate) in [(0, false), (1, true)] {
+                    let total = first_row + rows;
+                    let x = randn(&mut rng, total * k, 1.0);
+                    let init = randn(&mut rng, rows * n, 1.0);
+                    let c = linear_on(&cpu, &w, &x, first_row, rows, &init, accumulate);
+                    let d = linear_on(&gpu, &w, &x, first_row, rows, &init, accumulate);
+                    let e = rel(&d, &c);
+                    worst = worst.max(e);
+                    assert!(
+                        e <= OP_TOL,
+                        "linear N={n} K={k} g={g} bits={bits} rows={rows} first_row={first_row} \
+                         accumulate={accumulate}: rel error {e:.3e} > {OP_TOL:.0e}"
+                    );
+                }
+            }
+        }
+    }
+    report(&format!(
+        "op linear: worst rel error {worst:.2e} (tol {OP_TOL:.0e})"
+    ));
+}
+
+#[test]
+fn cuda_norms_match_cpu() {
+    if !cuda_or_skip("cuda_norms_match_cpu") {
+        return;
+    }
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng::new(11);
+    let mut worst = 0f64;
+    for d in [64, 200, 2048] {
+        for rows in [1, 5] {
+            for kind in [NormKind::RmsNorm, NormKind::LayerNorm] {
+                let x: Vec<f32> = randn(&mut rng, rows * d, 2.0)
+                    .iter()
+                    .map(|v| v + 0.5)
+                    .collect();
+                let wv: Vec<f16> = randn(&mut rng, d, 0.1)
+                    .iter()
+                    .map(|v| f16::from_f32(1.0 + v))
+                    .collect();
+                let bv: Vec<f16> = randn(&mut rng, d, 0.05)
+                    .iter()
+                    .map(|&v| f16::from_f32(v))
+                    .collect();
+                let run = |b: &dyn Fn() -> Vec<f32>| b();
+                let c = run(&|| norm_on(&cpu, kind, &x, rows, &wv, &bv));
+                let g = run(&|| norm_on(&gpu, kind, &x, rows, &wv, &bv));
+                let e = rel(&g, &c);
+                worst = worst.max(e);
+                assert!(
+                    e <= OP_TOL,
+                    "norm {kind:?} d={d} rows={rows}: rel error {e:.3e}"
+                );
+            }
+        }
+    }
+    report(&format!(
+        "op norm: worst rel error {worst:.2e} (tol {OP_TOL:.0e})"
+    ));
+}
+
+fn norm_on<B: Probe>(
+    b: &B,
+    kind: NormKind,
+    x: &[f32],
+    rows: usize,
+    w: &[f16],
+    bias: &[f16],
+) -> Vec<f32> {
+    let d = w.len();
+    let xf = float_buf(b, x);
+    let wv = b.upload_vector(w).unwrap();
+    let bv = b.upload_vector(bias).unwrap();
+    let mut out = b.alloc_half(rows * d).unwrap();
+    let bias = (kind == NormKind::LayerNorm).then_some(&bv);
+    b.norm(kind, 1e-5, &xf, rows, &wv, bias, &mut out);
+    b.read_half(&out, rows * d)
+}
+
+/// Runs RoPE + KV write + attention over a sequence of steps `(start_pos, rows)` in one slot;
+/// returns, per step, the rotated qkv rows and the attention output.
+fn attention_on<B: Probe>(
+    b: &B,
+    heads: AttentionShape,
+    capacity: usize,
+    steps: &[(usize, usize)],
+    qkv: &[Vec<f32>],
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let rope_values = rope_table(capacity, heads.head_dim, 10000.0);
+    let rope = float_buf(b, &rope_values);
+    let mut kv = b.alloc_kv(3, capacity, heads.kv_dim()).unwrap();
+    let max_rows = steps.iter().map(|s| s.1).max().unwrap();
+    let mut step = b.alloc_step(max_rows).unwrap();
+    let mut out = Vec::new();
+    for (&(start, rows), values) in steps.iter().zip(qkv) {
+        let tokens = vec![0u32; rows];
+        b.set_step(
+            &mut step,
+            StepInput {
+                tokens: &tokens,
+                start_pos: start,
+            },
+        )
+        .unwrap();
+        let mut q = float_buf(b, values);
+        b.rope_store_kv(&mut q, &step, rows, heads, &rope, &mut kv, 1);
+        let mut att = b.alloc_half(rows * heads.q_dim()).unwrap();
+        b.attention(&q, &step, rows, heads, &kv, 1, &mut att);
+        out.push((
+            b.read_float(&q, 0, values.len()).unwrap(),
+            b.read_half(&att, rows * heads.q_dim()),
+        ));
+    }
+    out
+}
+
+#[test]
+fn cuda_attention_matches_cpu() {
+    if !cuda_or_skip("cuda_attention_matches_cpu") {
+        return;
+    }
+    let cpu = CpuBackend;
+    let engine = gpu();
+    let mut rng = Rng::new(13);
+    let mut worst = 0f64;
+    for (n_heads, n_kv_heads, head_dim) in [
+        (4, 4, 16),
+        (4, 2, 16),
+        (8, 8, 64),
+        (16, 16, 128),
+        (4, 1, 24),
+    ] {
+        let heads = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        // A session backend, so that decode attention splits positions across blocks.
+        let config = tinyloop::ModelConfig {
+            dim: n_heads * head_dim,
+            n_heads,
+            n_kv_heads,
+            ..preset("tiny").unwrap()
+        };
+        let gpu = engine.session(&config).unwrap();
+        let capacity = 300;
+        // Prefill 37 rows, decode 1 row at a time, then a 3-row step and a long jump.
+        let mut steps = vec![(0, 37)];
+        steps.extend((37..45).map(|p| (p, 1)));
+        steps.push((45, 3));
+        steps.push((48, 200));
+        steps.push((248, 1));
+        let qkv: Vec<Vec<f32>> = steps
+            .iter()
+            .map(|&(_, r)| randn(&mut rng, r * heads.qkv_dim(), 1.5))
+            .collect();
+        let c = attention_on(&cpu, heads, capacity, &steps, &qkv);
+        let g = attention_on(&gpu, heads, capacity, &steps, &qkv);
+        for (i, ((cq, ca), (gq, ga))) in c.iter().zip(&g).enumerate() {
+            let eq = rel(gq, cq);
+            let ea = rel(ga, ca);
+            worst = worst.max(ea);
+            assert!(
+                eq <= 1e-7,
+                "rope heads {heads:?} step {i} {:?}: rel error {eq:.3e}",
+                steps[i]
+            );
+            assert!(
+                ea <= OP_TOL,
+                "attention heads {heads:?} step {i} {:?}: rel error {ea:.3e}",
+                steps[i]
+            );
+        }
+    }
+    report(&format!(
+        "op rope+attention: worst rel error {worst:.2e} (tol {OP_TOL:.0e}; RoPE exact)"
+    ));
+}
+
+#[test]
+fn cuda_swiglu_embed_argmax_match_cpu() {
+    if !cuda_or_skip("cuda_swiglu_embed_argmax_match_cpu") {
+        return;
+    }
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng::new(17);
+    let mut worst = 0f64;
+    for (f, k, g) in [(256, 64, 64), (192, 64, 32), (2048, 512, 128), (40, 48, 16)] {
+        for bits in [16, 4, 2] {
+            let (dtype, gs, gate_bytes) = host_weight(&mut rng, f, k, bits, g);
+            let (_, _, up_bytes) = host_weight(&mut rng, f, k, bits, g);
+            let gate = HostLinear {
+                rows: f,
+                cols: k,
+                dtype,
+                group_size: gs,
+                bytes: &gate_bytes,
+            };
+            let up = HostLinear {
+                rows: f,
+                cols: k,
+                dtype,
+                group_size: gs,
+                bytes: &up_bytes,
+            };
+            for rows in [1, 3, 5, 20] {
+                let x = randn(&mut rng, rows * k, 1.0);
+                let c = gate_up_on(&cpu, &gate, &up, &x, rows);
+                let d = gate_up_on(&gpu, &gate, &up, &x, rows);
+                let e = rel(&d, &c);
+                worst = worst.max(e);
+                assert!(
+                    e <= OP_TOL,
+                    "gate_up F={f} K={k} bits={bits} rows={rows}: rel error {e:.3e}"
+                );
+            }
+        }
+    }
+    // Embedding rows are copied exactly.
+    let (vocab, d) = (50, 96);
+    let table: Vec<f16> = randn(&mut rng, vocab * d, 1.0)
+        .iter()
+        .map(|&v| f16::from_f32(v))
+        .collect();
+    let table_bytes = f16_to_bytes(&table);
+    let t = HostLinear {
+        rows: vocab,
+        cols: d,
+        dtype: DType::F16,
+        group_size: d,
+        bytes: &table_bytes,
+    };
+    let tokens = [3u32, 0, 49, 7, 7];
+    let embed = |b: &dyn Fn() -> Vec<f32>| b();
+    let c = embed(&|| embed_on(&cpu, &t, &tokens));
+    let g = embed(&|| embed_on(&gpu, &t, &tokens));
+    assert_eq!(c, g, "embedding rows differ");
+    // Argmax: ties go to the lowest index, NaN never wins.
+    for values in [
+        vec![1.0, 3.0, 3.0, -1.0],
+        vec![f32::NAN, 2.0, f32::NAN, 2.0, 1.0],
+        vec![f32::NAN; 5],
+        vec![f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY],
+        randn(&mut rng, 50304, 3.0),
+    ] {
+        let c = cpu
+            .argmax(&float_buf(&cpu, &values), 0, values.len())
+            .unwrap();
+        let x = float_buf(&gpu, &values);
+        let g = gpu.argmax(&x, 0, values.len()).unwrap();
+        assert_eq!(c, g, "argmax of {} values", values.len());
+    }
+    report(&format!(
+        "op swiglu: worst rel error {worst:.2e} (tol {OP_TOL:.0e}); embedding and argmax exact"
+    ));
+}
+
+fn gate_up_on<B: Probe>(
+    b: &B,
+    gate: &HostLinear,
+    up: &HostLinear,
+    x: &[f32],
+    rows: usize,
+) -> Vec<f32> {
+    let (g, u) = (b.upload_linear(gate).unwrap(), b.upload_linear(up).unwrap());
+    let xh = half_buf(b, x);
+    let mut gb = b.alloc_float(rows * gate.rows).unwrap();
+    let mut ub = b.alloc_float(rows * gate.rows).unwrap();
+    let mut out = b.alloc_half(rows * gate.rows).unwrap();
+    b.mlp_gate_up(&xh, rows, &g, &u, &mut gb, &mut ub, &mut out);
+    b.read_half(&out, rows * gate.rows)
+}
+
+fn embed_on<B: Backend>(b: &B, table: &HostLinear, tokens: &[u32]) -> Vec<f32> {
+    let t = b.upload_linear(table).unwrap();
+    let mut step = b.alloc_step(tokens.len()).unwrap();
+    b.set_step(
+        &mut step,
+        StepInput {
+            tokens,
+            start_pos: 0,
+        },
+    )
+    .unwrap();
+    let mut out = b.alloc_float(tokens.len() * table.cols).unwrap();
+    b.embed(&t, &step, &mut out);
+    b.read_float(&out, 0, tokens.len() * table.cols).unwrap()
+}
+
+#[test]
+fn cuda_out_of_memory_is_an_error_and_the_device_keeps_working() {
+    if !cuda_or_skip("cuda_out_of_memory_is_an_error_and_the_device_keeps_working") {
+        return;
+    }
+    let gpu = gpu();
+    match gpu.alloc_float(1 << 40) {
+        Err(Error::OutOfMemory { bytes, what }) => {
+            assert!(bytes >= 4 << 40, "{bytes}");
+            report(&format!(
+                "oom: alloc_float(2^40) -> OutOfMemory {{ bytes: {bytes}, what: {what:?} }}"
+            ));
+        }
+        Err(other) => panic!("expected OutOfMemory, got {other}"),
+        Ok(_) => panic!("a 4 TiB allocation succeeded"),
+    }
+    let mut x = gpu.alloc_float(1000).unwrap();
+    gpu.write_float(&mut x, &[2.5; 1000]).unwrap();
+    assert_eq!(gpu.read_float(&x, 10, 3).unwrap(), vec![2.5; 3]);
+
+    // Through the Model API: a KV cache far beyond device memory, then normal use.
+    let path = synth("tiny", 4, 64);
+    let options = ModelOptions {
+        max_seq_len: 2048,
+        max_loops: 1 << 20,
+        device: Some(Device::Cuda(0)),
+        log: false,
+        ..ModelOptions::default()
+    };
+    let model = Model::open(&path, &options).unwrap();
+    let mut session = model.new_session().unwrap();
+    let params = |loops| GenerateParams {
+        max_tokens: 4,
+        loops: Some(loops),
+        ..GenerateParams::default()
+    };
+    match session.generate(&[1, 2, 3], &params(1 << 19)) {
+        Err(Error::OutOfMemory { bytes, .. }) => {
+            report(&format!("oom: KV cache of {bytes} bytes refused"))
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert_eq!(session.generate(&[1, 2, 3], &params(2)).unwrap().len(), 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole models
+
+/// A synthetic model file, written once per process.
+fn synth(name: &str, bits: u32, group: usize) -> PathBuf {
+    static DONE: OnceLock<Mutex<Vec<PathBuf>>> = OnceLock::new();
+    let dir = std::env::var_os("TINYLOOP_PARITY_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("tinyloop-parity-{}", std::process::id()))
+        });
+    let path = dir.join(format!("{name}-b{bits}-g{group}.tinyloop"));
+    let done = DONE.get_or_init(|| Mutex::new(Vec::new()));
+    let mut done = done.lock().unwrap();
+    if !done.contains(&path) && !path.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = preset(name).unwrap();
+        random_model(&config, 1, bits, group)
+            .unwrap()
+            .write(&path)
+            .unwrap();
+    }
+    done.push(path.clone());
+    path
+}
+
+fn open(path: &Path, device: Device, max_seq_len: usize) -> Model {
+    let options = ModelOptions {
+        max_seq_len,
+        device: Some(device),
+        log: false,
+        ..ModelOptions::default()
+    };
+    Model::open(path, &options)
+        .unwrap_or_else(|e| panic!("open {} on {device}: {e}", path.display()))
+}
+
+fn prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect()
+}
+
+/// Score parity at loops 1, 4, 8 for every bit width; returns failures.
+fn score_parity(name: &str, group: usize, seq: usize, failures: &mut Vec<String>) {
+    for bits in [4, 2, 16] {
+        let path = synth(name, bits, group);
+        let cpu = open(&path, Device::Cpu, 128);
+        let gpu = open(&path, Device::Cuda(0), 128);
+        let config = cpu.config().clone();
+        let tokens = prompt(seq, config.vocab_size, bits as u64);
+        let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
+        for &loops in loop_counts() {
+            let tol = model_tol(config.applications(loops));
+            let c = cs.score(&tokens, Some(loops)).unwrap();
+            let g = gs.score(&tokens, Some(loops)).unwrap();
+            let e = rel(&g, &c);
+            // Three tokens: the GEMV path (rows <= 4) instead of the tensor-core GEMM.
+            let c3 = cs.score_last(&tokens[..3], Some(loops)).unwrap();
+            let g3 = gs.score_last(&tokens[..3], Some(loops)).unwrap();
+            let e3 = rel(&g3, &c3);
+            let ok = e <= tol && e3 <= tol;
+            report(&format!(
+                "parity {name:9} {:5} L={loops}: score({seq}) rel {e:.2e}, score_last(3) rel {e3:.2e}, tol {tol:.2e} {}",
+                DType::from_bits(bits).unwrap().name(),
+                if ok { "ok" } else { "FAIL" }
+            ));
+            if !ok {
+                failures.push(format!(
+                    "{name} bits={bits} loops={loops}: {e:.3e} / {e3:.3e} > {tol:.3e}"
+                ));
+            }
+        }
+    }
+}
+
+/// Decode-step logits (the captured-graph path) against the CPU, through the forward-pass API,
+/// switching loop counts so that graphs are captured, replayed, and reset when the KV cache grows.
+fn decode_parity(name: &str, bits: u32, group: usize, steps: usize, failures: &mut Vec<String>) {
+    let path = synth(name, bits, group);
+    let file = ModelFile::open(&path).unwrap();
+    let config = file.config.clone();
+    let max_seq = 128;
+    let cpu = CpuBackend;
+    let wc = Weights::load(&cpu, &file, max_seq).unwrap();
+    let mut bc = Buffers::new(&cpu, &config, 16, max_seq).unwrap();
+    let engine = gpu();
+    let wg = Weights::load(&engine, &file, max_seq).unwrap();
+    engine.finish_load(&wg).unwrap();
+    let session = engine.session(&config).unwrap();
+    let mut bg = Buffers::new(&session, &config, 16, max_seq).unwrap();
+    let vocab = config.vocab_size;
+    let tokens = prompt(5, vocab, 99);
+    let mut worst = 0f64;
+    let mut pos = 0;
+    let rounds: &[usize] = if quick() { &[4, 1] } else { &[4, 8, 4, 1] };
+    for (round, &loops) in rounds.iter().enumerate() {
+        // Each round restarts the sequence (prefill), then decodes.
+        let input = StepInput {
+            tokens: &tokens,
+            start_pos: 0,
+        };
+        forward(&cpu, &wc, &mut bc, input, loops).unwrap();
+        forward(&session, &wg, &mut bg, input, loops).unwrap();
+        pos = tokens.len();
+        let mut next = tokens[tokens.len() - 1];
+        let tol = model_tol(config.applications(loops));
+        for _ in 0..steps {
+            decode_step(&cpu, &wc, &mut bc, next, pos, loops).unwrap();
+            decode_step(&session, &wg, &mut bg, next, pos, loops).unwrap();
+            let c = cpu.read_float(&bc.logits, 0, vocab).unwrap();
+            let g = session.read_float(&bg.logits, 0, vocab).unwrap();
+            let e = rel(&g, &c);
+            worst = worst.max(e);
+            let (tc, tg) = (
+                greedy_token(&cpu, &wc, &bc).unwrap(),
+                greedy_token(&session, &wg, &bg).unwrap(),
+            );
+            if e > tol || tc != tg {
+                failures.push(format!(
+                    "{name} bits={bits} round {round} loops={loops} pos={pos}: decode rel {e:.3e} (tol {tol:.3e}), tokens {tc} vs {tg}"
+                ));
+            }
+            next = tc;
+            pos += 1;
+        }
+    }
+    let _ = pos;
+    report(&format!(
+        "parity {name:9} {:5} decode x{steps} per L in 4,8,4,1 (graphs): worst rel {worst:.2e}",
+        DType::from_bits(bits).unwrap().name()
+    ));
+}
+
+/// Greedy generation: identical tokens.
+fn generate_parity(name: &str, group: usize, new_tokens: usize, failures: &mut Vec<String>) {
+    for bits in [4, 2, 16] {
+        let path = synth(name, bits, group);
+        let cpu = open(&path, Device::Cpu, 256);
+        let gpu = open(&path, Device::Cuda(0), 256);
+        let vocab = cpu.config().vocab_size;
+        for &loops in loop_counts() {
+            let tokens = prompt(8, vocab, 1000 + loops as u64);
+            let params = GenerateParams {
+                max_tokens: if quick() { 8 } else { new_tokens },
+                loops: Some(loops),
+                ..GenerateParams::default()
+            };
+            let c = cpu
+                .new_session()
+                .unwrap()
+                .generate(&tokens, &params)
+                .unwrap();
+            let g = gpu
+                .new_session()
+                .unwrap()
+                .generate(&tokens, &params)
+                .unwrap();
+            let same = c == g;
+            let first_diff = c.iter().zip(&g).position(|(a, b)| a != b);
+            report(&format!(
+                "parity {name:9} {:5} L={loops}: greedy {} tokens {}",
+                DType::from_bits(bits).unwrap().name(),
+                c.len(),
+                if same {
+                    "identical".to_string()
+                } else {
+                    format!("DIFFER at {first_diff:?}")
+                }
+            ));
+            if !same {
+                failures.push(format!(
+                    "{name} bits={bits} loops={loops}: greedy tokens differ at {first_diff:?}"
+                ));
+            }
+        }
+    }
+}
+
+fn finish(test: &str, failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{test}: {} failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn cuda_parity_tiny() {
+    if !cuda_or_skip("cuda_parity_tiny") {
+        return;
+    }
+    let mut failures = Vec::new();
+    score_parity("tiny", 64, 24, &mut failures);
+    decode_parity("tiny", 4, 64, 6, &mut failures);
+    decode_parity("tiny", 2, 64, 6, &mut failures);
+    generate_parity("tiny", 64, 64, &mut failures);
+    finish("cuda_parity_tiny", failures);
+}
+
+#[test]
+fn cuda_parity_small() {
+    if !cuda_or_skip("cuda_parity_small") {
+        return;
+    }
+    let mut failures = Vec::new();
+    score_parity("small", 128, 24, &mut failures);
+    decode_parity("small", 4, 128, 6, &mut failures);
+    generate_parity("small", 128, 64, &mut failures);
+    finish("cuda_parity_small", failures);
+}
+
+#[test]
+fn cuda_parity_tiny_gqa() {
+    if !cuda_or_skip("cuda_parity_tiny_gqa") {
+        return;
+    }
+    let mut failures = Vec::new();
+    score_parity("tiny-gqa", 64, 24, &mut failures);
+    decode_parity("tiny-gqa", 4, 64, 6, &mut failures);
+    decode_parity("tiny-gqa", 16, 64, 6, &mut failures);
+    finish("cuda_parity_tiny_gqa", failures);
+}
+
+/// Group size 16: every linear takes the generic (elementwise-dequantize) kernel.
+#[test]
+fn cuda_parity_generic_kernels() {
+    if !cuda_or_skip("cuda_parity_generic_kernels") {
+        return;
+    }
+    let mut failures = Vec::new();
+    score_parity("tiny", 16, 24, &mut failures);
+    decode_parity("tiny", 4, 16, 4, &mut failures);
+    finish("cuda_parity_generic_kernels", failures);
+}
+
+#[test]
+fn cuda_parity_tl407m() {
+    if !cuda_or_skip("cuda_parity_tl407m") {
+        return;
+    }
+    let mut failures = Vec::new();
+    score_parity("tl-407m", 128, 12, &mut failures);
+    decode_parity("tl-407m", 4, 128, 3, &mut failures);
+    finish("cuda_parity_tl407m", failures);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device selection (runs everywhere)
+
+#[test]
+fn device_selection_falls_back_or_fails_cleanly() {
+    let path = synth("tiny", 4, 64);
+    let auto = open(&path, Device::Auto, 64);
+    let cuda = Model::open(
+        &path,
+        &ModelOptions {
+            device: Some(Device::Cuda(0)),
+            log: false,
+            ..ModelOptions::default()
+        },
+    );
+    match tinyloop::backend::cuda::available() {
+        Ok(_) => {
+            assert!(
+                auto.info().device.starts_with("cuda:0"),
+                "{}",
+                auto.info().device
+            );
+            assert!(cuda.is_ok());
+            let missing = Model::open(
+                &path,
+                &ModelOptions {
+                    device: Some(Device::Cuda(4096)),
+                    log: false,
+                    ..ModelOptions::default()
+                },
+            );
+            assert!(matches!(missing, Err(Error::Device(_))), "{missing:?}");
+        }
+        Err(why) => {
+            assert!(
+                auto.info().device.starts_with("cpu"),
+                "{}",
+                auto.info().device
+            );
+            match cuda {
+                Err(Error::Device(msg)) => assert!(msg.contains("cuda:0"), "{msg}"),
+                other => {
+                    panic!("--device cuda without a GPU must be a device error, got {other:?}")
+                }
+            }
+            let _ = writeln!(
+                std::io::stderr(),
+                "no CUDA here ({why}): checked the CPU fallback and the clean error"
+            );
+        }
+    }
+}

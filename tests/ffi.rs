@@ -1,0 +1,481 @@
+//! The C ABI called from Rust: results equal the Rust API, sessions run concurrently with the
+//! same results as sequential runs, BUSY / CANCELLED / CLOSED behave as documented.
+//! (tests/c/abi_test.c drives the full bad-input table from C.)
+
+use std::ffi::{c_void, CStr, CString};
+use std::path::PathBuf;
+use std::ptr;
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier};
+
+use tinyloop::ffi::*;
+use tinyloop::model::synth::{preset, random_model};
+use tinyloop::{Device, GenerateParams, Model, ModelOptions, SamplingParams};
+
+/// Write (once per process) a synthetic `preset` model and return its path.
+fn model_file(preset_name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tinyloop-ffi-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{preset_name}.tinyloop"));
+    if !path.exists() {
+        let tmp = path.with_extension(format!("tmp{:?}", std::thread::current().id()));
+        random_model(&preset(preset_name).unwrap(), 7, 4, 32)
+            .unwrap()
+            .write(&tmp)
+            .unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+    path
+}
+
+/// A model handle that is closed and freed on drop.
+struct Handle(*mut tl_model);
+
+// SAFETY: the C ABI documents tl_model as usable from any thread (calls serialize internally).
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from tl_model_open and is freed exactly once, here.
+        unsafe { tl_model_free(self.0) };
+    }
+}
+
+struct SessionHandle(*mut tl_session);
+
+// SAFETY: sessions may be used from any thread, one call at a time.
+unsafe impl Send for SessionHandle {}
+// SAFETY: as above (a concurrent call gets TL_ERR_BUSY).
+unsafe impl Sync for SessionHandle {}
+
+impl Drop for SessionHandle {
+    fn drop(&mut self) {
+        // SAFETY: from tl_session_new, freed once.
+        unsafe { tl_session_free(self.0) };
+    }
+}
+
+fn last_error() -> String {
+    // SAFETY: tl_last_error_message never returns NULL and the string lives until the next
+    // failing call on this thread.
+    unsafe { CStr::from_ptr(tl_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn open(path: &std::path::Path, max_seq_len: u32) -> Handle {
+    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_model_default_params(params.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized by the call above.
+    let mut params = unsafe { params.assume_init() };
+    let device = CString::new("cpu").unwrap();
+    params.device = device.as_ptr();
+    params.max_seq_len = max_seq_len;
+    params.log = false;
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    let mut model = ptr::null_mut();
+    // SAFETY: valid strings, params and out-pointer.
+    let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    Handle(model)
+}
+
+fn gen_params(max_tokens: u32) -> tl_generate_params {
+    let mut p = std::mem::MaybeUninit::<tl_generate_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_generate_default_params(p.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized above.
+    let mut p = unsafe { p.assume_init() };
+    p.max_tokens = max_tokens;
+    p
+}
+
+fn generate(model: &Handle, prompt: &[i32], p: &tl_generate_params) -> (tl_status, Vec<i32>) {
+    let mut out = vec![0i32; p.max_tokens as usize];
+    let mut len = 0usize;
+    // SAFETY: all pointers valid for the stated lengths.
+    let status = unsafe {
+        tl_generate(
+            model.0,
+            prompt.as_ptr(),
+            prompt.len(),
+            p,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+        )
+    };
+    out.truncate(if status == tl_status::TL_OK { len } else { 0 });
+    (status, out)
+}
+
+fn session_generate(
+    session: &SessionHandle,
+    prompt: &[i32],
+    p: &tl_generate_params,
+) -> (tl_status, Vec<i32>) {
+    let mut out = vec![0i32; p.max_tokens as usize];
+    let mut len = 0usize;
+    // SAFETY: all pointers valid for the stated lengths.
+    let status = unsafe {
+        tl_session_generate(
+            session.0,
+            prompt.as_ptr(),
+            prompt.len(),
+            p,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+        )
+    };
+    out.truncate(if status == tl_status::TL_OK { len } else { 0 });
+    (status, out)
+}
+
+fn new_session(model: &Handle) -> SessionHandle {
+    let mut s = ptr::null_mut();
+    // SAFETY: a live model and a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_session_new(model.0, &mut s) },
+        tl_status::TL_OK,
+        "{}",
+        last_error()
+    );
+    SessionHandle(s)
+}
+
+const PROMPT: [i32; 6] = [82, 79, 77, 69, 79, 58];
+
+fn rust_model(path: &std::path::Path) -> Model {
+    let options = ModelOptions {
+        device: Some(Device::Cpu),
+        max_seq_len: 128,
+        log: false,
+        ..ModelOptions::default()
+    };
+    Model::open(path, &options).unwrap()
+}
+
+#[test]
+fn generate_and_score_equal_the_rust_api() {
+    for name in ["tiny", "tiny-gqa", "tiny-tied"] {
+        let path = model_file(name);
+        let model = open(&path, 128);
+        let rust = rust_model(&path);
+        let mut session = rust.new_session().unwrap();
+        let prompt_u32: Vec<u32> = PROMPT.iter().map(|&t| t as u32).collect();
+
+        // Greedy, and seeded sampling with a stop token: both deterministic, so exact equality.
+        let mut p = gen_params(20);
+        let (status, tokens) = generate(&model, &PROMPT, &p);
+        assert_eq!(status, tl_status::TL_OK, "{name}: {}", last_error());
+        let expected = session
+            .generate(
+                &prompt_u32,
+                &GenerateParams {
+                    max_tokens: 20,
+                    ..GenerateParams::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            tokens,
+            expected.iter().map(|&t| t as i32).collect::<Vec<_>>()
+        );
+
+        let stop = [tokens[5]];
+        p.temperature = 0.7;
+        p.top_k = 50;
+        p.top_p = 0.9;
+        p.seed = 99;
+        p.loops = 2;
+        p.stop_tokens = stop.as_ptr();
+        p.n_stop_tokens = 1;
+        let (status, sampled) = generate(&model, &PROMPT, &p);
+        assert_eq!(status, tl_status::TL_OK, "{name}: {}", last_error());
+        let expected = session
+            .generate(
+                &prompt_u32,
+                &GenerateParams {
+                    max_tokens: 20,
+                    loops: Some(2),
+                    sampling: SamplingParams {
+                        temperature: 0.7,
+                        top_k: 50,
+                        top_p: 0.9,
+                        seed: 99,
+                    },
+                    stop_tokens: vec![stop[0] as u32],
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            sampled,
+            expected.iter().map(|&t| t as i32).collect::<Vec<_>>()
+        );
+
+        // score_last: the same computation on the same device, so bitwise equal.
+        let vocab = rust.config().vocab_size;
+        let mut logits = vec![0f32; vocab];
+        let mut len = 0;
+        // SAFETY: valid buffers.
+        let status = unsafe {
+            tl_score_last(
+                model.0,
+                PROMPT.as_ptr(),
+                PROMPT.len(),
+                3,
+                logits.as_mut_ptr(),
+                logits.len(),
+                &mut len,
+            )
+        };
+        assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+        assert_eq!(len, vocab);
+        let expected = session.score_last(&prompt_u32, Some(3)).unwrap();
+        assert_eq!(logits, expected, "{name}: score_last differs");
+
+        // Config mirrors the Rust config.
+        let mut cfg = std::mem::MaybeUninit::<tl_config>::zeroed();
+        // SAFETY: zeroed is a valid bit pattern for tl_config (NULL pointers, zero numbers).
+        let mut cfg = unsafe { cfg.assume_init_mut() }.to_owned();
+        cfg.struct_size = std::mem::size_of::<tl_config>();
+        // SAFETY: valid pointers.
+        assert_eq!(
+            unsafe { tl_model_config(model.0, &mut cfg) },
+            tl_status::TL_OK
+        );
+        let c = rust.config();
+        assert_eq!(
+            (cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size),
+            (
+                c.dim as u32,
+                c.n_heads as u32,
+                c.n_kv_heads as u32,
+                c.vocab_size as u32
+            )
+        );
+        assert_eq!(cfg.embed_factor_dim as usize, c.embed_factor_dim);
+        assert_eq!(
+            (cfg.n_pre_blocks, cfg.n_loop_blocks, cfg.n_post_blocks),
+            (
+                c.n_pre_blocks as u32,
+                c.n_loop_blocks as u32,
+                c.n_post_blocks as u32
+            )
+        );
+        assert_eq!(cfg.default_loops as usize, c.default_loops);
+        // SAFETY: static NUL-terminated strings.
+        let norm = unsafe { CStr::from_ptr(cfg.norm) }.to_str().unwrap();
+        assert_eq!(
+            norm,
+            serde_json::to_value(c.norm).unwrap().as_str().unwrap()
+        );
+        // SAFETY: as above.
+        let head = unsafe { CStr::from_ptr(cfg.head) }.to_str().unwrap();
+        assert_eq!(
+            head,
+            serde_json::to_value(c.head).unwrap().as_str().unwrap()
+        );
+    }
+}
+
+#[test]
+fn two_threads_with_own_sessions_match_sequential_runs() {
+    let path = model_file("tiny");
+    let model = Arc::new(open(&path, 256));
+    let prompts: [Vec<i32>; 2] = [vec![72, 101, 108, 108, 111], vec![84, 111, 32, 98, 101]];
+    let params = |i: usize| {
+        let mut p = gen_params(40);
+        if i == 1 {
+            p.temperature = 1.0;
+            p.seed = 5;
+        }
+        p
+    };
+    let sessions: Vec<Arc<SessionHandle>> = (0..2).map(|_| Arc::new(new_session(&model))).collect();
+    let sequential: Vec<Vec<i32>> = (0..2)
+        .map(|i| {
+            let (status, out) = session_generate(&sessions[i], &prompts[i], &params(i));
+            assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+            out
+        })
+        .collect();
+    let barrier = Arc::new(Barrier::new(2));
+    let threads: Vec<_> = (0..2)
+        .map(|i| {
+            let (session, prompt, barrier) =
+                (sessions[i].clone(), prompts[i].clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let p = params(i);
+                barrier.wait();
+                (0..3)
+                    .map(|_| {
+                        let (status, out) = session_generate(&session, &prompt, &p);
+                        assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+                        out
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (i, t) in threads.into_iter().enumerate() {
+        for run in t.join().unwrap() {
+            assert_eq!(run, sequential[i], "session {i}: concurrent != sequential");
+        }
+    }
+    // The model's memory accounts for both sessions.
+    let mut mb = 0.0;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { tl_vram_usage_mb(model.0, &mut mb) },
+        tl_status::TL_OK
+    );
+    assert!(mb > 0.0);
+}
+
+/// State shared with a stream callback that blocks on the first token until released.
+struct Gate {
+    started: mpsc::Sender<()>,
+    release: mpsc::Receiver<()>,
+    tokens: usize,
+}
+
+unsafe extern "C" fn gate_callback(_token: i32, user_data: *mut c_void) -> bool {
+    // SAFETY: user_data is the &mut Gate passed by the test, alive for the whole call.
+    let gate = unsafe { &mut *(user_data as *mut Gate) };
+    gate.tokens += 1;
+    if gate.tokens == 1 {
+        gate.started.send(()).unwrap();
+        gate.release.recv().unwrap();
+    }
+    true
+}
+
+#[test]
+fn busy_then_cancelled_on_one_session() {
+    let path = model_file("tiny");
+    let model = open(&path, 256);
+    let session = Arc::new(new_session(&model));
+    let (started_tx, started_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel();
+    let worker = {
+        let session = session.clone();
+        std::thread::spawn(move || {
+            let mut gate = Gate {
+                started: started_tx,
+                release: release_rx,
+                tokens: 0,
+            };
+            let p = gen_params(100);
+            // SAFETY: valid pointers; gate outlives the call.
+            let status = unsafe {
+                tl_session_generate_stream(
+                    session.0,
+                    PROMPT.as_ptr(),
+                    PROMPT.len(),
+                    &p,
+                    Some(gate_callback),
+                    &mut gate as *mut Gate as *mut c_void,
+                )
+            };
+            (status, gate.tokens)
+        })
+    };
+    started_rx.recv().unwrap();
+    let (status, _) = session_generate(&session, &PROMPT, &gen_params(4));
+    assert_eq!(status, tl_status::TL_ERR_BUSY);
+    assert!(last_error().contains("busy"), "{}", last_error());
+    // SAFETY: a live session.
+    assert_eq!(unsafe { tl_session_cancel(session.0) }, tl_status::TL_OK);
+    release_tx.send(()).unwrap();
+    let (status, tokens) = worker.join().unwrap();
+    assert_eq!(status, tl_status::TL_ERR_CANCELLED);
+    assert_eq!(tokens, 1, "cancellation stops at the next token");
+    // The session works again, and the cancel did not leak into the new call.
+    let (status, out) = session_generate(&session, &PROMPT, &gen_params(4));
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!(out.len(), 4);
+}
+
+#[test]
+fn closed_model_names_the_function_and_free_is_null_safe() {
+    let path = model_file("tiny");
+    let model = open(&path, 64);
+    // SAFETY: live handle; tl_close is idempotent.
+    unsafe {
+        assert_eq!(tl_close(model.0), tl_status::TL_OK);
+        assert_eq!(tl_close(model.0), tl_status::TL_OK);
+    }
+    let (status, _) = generate(&model, &PROMPT, &gen_params(4));
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    assert!(last_error().starts_with("tl_generate called on a closed model"));
+    let mut mb = -1.0;
+    // SAFETY: the handle stays valid memory after close.
+    let status = unsafe { tl_vram_usage_mb(model.0, &mut mb) };
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    assert_eq!(mb, -1.0, "outputs are written only on success");
+    // SAFETY: NULL is accepted by every free / close function.
+    unsafe {
+        tl_model_free(ptr::null_mut());
+        tl_session_free(ptr::null_mut());
+        assert_eq!(tl_close(ptr::null_mut()), tl_status::TL_OK);
+    }
+}
+
+#[test]
+fn status_names_and_abi_version() {
+    assert_eq!(tl_abi_version(), TL_ABI_VERSION);
+    for (code, name) in [
+        (tl_status::TL_OK, "TL_OK"),
+        (
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "TL_ERR_INVALID_ARGUMENT",
+        ),
+        (tl_status::TL_ERR_IO, "TL_ERR_IO"),
+        (tl_status::TL_ERR_FORMAT, "TL_ERR_FORMAT"),
+        (tl_status::TL_ERR_OUT_OF_MEMORY, "TL_ERR_OUT_OF_MEMORY"),
+        (tl_status::TL_ERR_DEVICE, "TL_ERR_DEVICE"),
+        (tl_status::TL_ERR_CLOSED, "TL_ERR_CLOSED"),
+        (tl_status::TL_ERR_BUSY, "TL_ERR_BUSY"),
+        (tl_status::TL_ERR_CANCELLED, "TL_ERR_CANCELLED"),
+        (tl_status::TL_ERR_PANIC, "TL_ERR_PANIC"),
+        (
+            tl_status::TL_ERR_BUFFER_TOO_SMALL,
+            "TL_ERR_BUFFER_TOO_SMALL",
+        ),
+    ] {
+        // SAFETY: tl_status_string returns a static NUL-terminated string.
+        let got = unsafe { CStr::from_ptr(tl_status_string(code as i32)) };
+        assert_eq!(got.to_str().unwrap(), name);
+    }
+    // SAFETY: as above.
+    let unknown = unsafe { CStr::from_ptr(tl_status_string(-3)) };
+    assert_eq!(unknown.to_str().unwrap(), "TL_UNKNOWN_STATUS");
+}
+
+#[test]
+fn last_error_is_per_thread() {
+    let mut params = gen_params(1);
+    params.struct_size = 1;
+    let model = open(&model_file("tiny"), 64);
+    let (status, _) = generate(&model, &PROMPT, &params);
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    let here = last_error();
+    assert!(here.contains("struct_size"), "{here}");
+    let there = std::thread::spawn(last_error).join().unwrap();
+    assert_eq!(there, "", "another thread sees no failure");
+    // A later success leaves the message in place.
+    let (status, _) = generate(&model, &PROMPT, &gen_params(1));
+    assert_eq!(status, tl_status::TL_OK);
+    assert_eq!(last_error(), here);
+}
