@@ -539,6 +539,8 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "memory_mb": model.memory_bytes() as f64 / 1e6,
+        "kernels": model.info().kernels,
+        "kernel_ms": model.info().kernel_ms,
         "repeats": args.repeats,
     });
     if common.json {
@@ -552,6 +554,9 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
             1e3 / decode_ms,
             model.memory_bytes() as f64 / 1e6
         );
+        if let Some(kernels) = &model.info().kernels {
+            println!("  kernels         {kernels}");
+        }
     }
     Ok(())
 }
