@@ -359,6 +359,8 @@ impl Session {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
+        // A cancel only concerns the call in flight; clear any earlier one before anything else.
+        self.cancel.store(false, Ordering::Release);
         let loops = self.check_tokens(prompt, params.loops)?;
         params.sampling.validate()?;
         if params.max_tokens == 0 {
@@ -381,7 +383,6 @@ impl Session {
             sampling: params.sampling,
             stop_tokens: params.stop_tokens.clone(),
         };
-        self.cancel.store(false, Ordering::Release);
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::generate(
             b, w, buf, prompt, &req, &cancel, on_token

@@ -129,7 +129,12 @@ thread_local! {
 }
 
 fn set_last_error(func: &str, message: &str) {
-    let text = if message.starts_with(func) {
+    // Already prefixed when the message starts with "func:" or "func " (not with a longer name
+    // such as "tl_generate_params" for func "tl_generate").
+    let prefixed = message
+        .strip_prefix(func)
+        .is_some_and(|rest| rest.starts_with([':', ' ']));
+    let text = if prefixed {
         message.to_string()
     } else {
         format!("{func}: {message}")
@@ -438,6 +443,11 @@ mod tests {
             message().starts_with("tl_f called"),
             "success keeps the message"
         );
+        // A message naming a longer identifier that merely starts with the function's name.
+        boundary("tl_f", || {
+            Err(Failure::invalid("tl_f_params.struct_size is 0"))
+        });
+        assert_eq!(message(), "tl_f: tl_f_params.struct_size is 0");
     }
 
     #[test]

@@ -237,6 +237,10 @@ pub(crate) unsafe fn generate_params(
             "tl_generate_params.stop_tokens",
         )
     }?;
+    // Checked here, before any output buffer is sized from it.
+    if p.max_tokens == 0 {
+        return Err(Failure::invalid("max_tokens must be >= 1"));
+    }
     Ok(GenerateParams {
         max_tokens: p.max_tokens as usize,
         loops: loops_arg(p.loops)?,

@@ -267,6 +267,7 @@ impl DevBuf {
         // SAFETY: the range lies inside the allocation just made.
         unsafe { result::memset_d8_sync(buf.ptr, 0, buf.bytes) }
             .map_err(|e| device_error("cuMemsetD8", e))?;
+        wait_for_legacy_stream("cuMemsetD8")?;
         Ok(buf)
     }
 
@@ -283,8 +284,18 @@ impl DevBuf {
         // SAFETY: the destination range lies inside the allocation (checked above) and the
         // source slice is valid for `len` bytes for the duration of this synchronous copy.
         unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-            .map_err(|e| device_error("copying to the device", e))
+            .map_err(|e| device_error("copying to the device", e))?;
+        wait_for_legacy_stream("copying to the device")
     }
+}
+
+/// Wait for work issued on the legacy default stream. `cuMemsetD8` and `cuMemcpyHtoD` from
+/// pageable memory run there and may still be in flight when they return, while sessions use
+/// non-blocking streams that do not wait for the legacy stream: without this, a kernel could read
+/// a buffer before it is cleared or filled.
+fn wait_for_legacy_stream(what: &str) -> Result<()> {
+    // SAFETY: the null stream is the context's legacy default stream, always valid.
+    unsafe { result::stream::synchronize(std::ptr::null_mut()) }.map_err(|e| device_error(what, e))
 }
 
 impl Drop for DevBuf {
