@@ -3,8 +3,9 @@
 #   bench/gpu-bench.sh BUNDLE OUT [BITS...]     (default BITS: 4)
 # Synthesizes tl-407m (seed 1), then measures with the CLI: load with a cold kernel cache
 # (NVRTC compile) and warm (disk cache hit, warm page cache), decode ms/token at L = 8 (prompt
-# 128), prefill tokens/s at 512 and 2048 prompt tokens, decode without CUDA graphs, and the
-# PyTorch baseline (eager FP16, torch.compile reduce-overhead) on the same weights.
+# 128), prefill tokens/s at 512 and 2048 prompt tokens, decode without CUDA graphs and without
+# programmatic dependent launch, and the PyTorch baseline (eager FP16, torch.compile
+# reduce-overhead) on the same weights.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -43,6 +44,9 @@ model="$work/tl-407m-b${bits_list[0]}.tinyloop"
 step "decode without CUDA graphs"
 json env TINYLOOP_CUDA_GRAPHS=0 "$tl" "$model" bench --device cuda --json --prompt-len 128 --gen-len 128 --repeats 3 >"$out/decode-nographs.json"
 cat "$out/decode-nographs.json"
+step "decode without programmatic dependent launch"
+json env TINYLOOP_CUDA_PDL=0 "$tl" "$model" bench --device cuda --json --prompt-len 128 --gen-len 128 --repeats 3 >"$out/decode-nopdl.json"
+cat "$out/decode-nopdl.json"
 step "load with plain (pageable) uploads"
 run env TINYLOOP_CUDA_UPLOAD=plain "$tl" "$model" bench --device cuda --prompt-len 16 --gen-len 2 --repeats 1
 if [ "${TORCH:-1}" = 1 ]; then
@@ -62,7 +66,7 @@ rows = []
 for f in sorted(os.listdir(out)):
     if f.endswith(".json") and f != "torch.json":
         d = load(f)
-        rows.append(f"{f:24} load {d.get('load_ms', float('nan')):8.1f} ms  prefill({d.get('prompt_len', '?')}) "
+        rows.append(f"{f:24} load {d.get('load_ms', float('nan')):8.1f} ms (again {d.get('reload_ms', float('nan')):6.1f})  prefill({d.get('prompt_len', '?')}) "
                     f"{d.get('prefill_tokens_per_s', float('nan')):9.0f} tok/s  decode {d.get('decode_ms_per_token', float('nan')):.4f} ms/tok")
 t = load("torch.json")
 if t:

@@ -6,6 +6,11 @@
 // (max, sum, un-normalized output); the last of the split blocks to finish merges them
 // (flash-decoding, with the combine fused through a ticket counter).
 //
+// With `rope` set (decode, one row), the kernel also does rope_kv's work: it rotates q, and the
+// block whose slice ends at the current position rotates that position's K and takes K and V
+// from shared memory instead of the cache; the first query head of each KV head writes them to
+// the cache (which no block of this launch reads at that position).
+//
 // Inside a block each warp takes 32 positions at a time, one per lane: the lane computes q . k
 // for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
 // then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
@@ -57,10 +62,13 @@ template <int DJ> // head dimensions per lane: hd <= 32 * DJ
 DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
                    int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
                    const f16_t* __restrict__ vc, int slot, int capacity, int splits,
-                   f16_t* __restrict__ out, float* partial, int* tickets) {
+                   f16_t* __restrict__ out, float* partial, int* tickets,
+                   const float* __restrict__ rope) {
     __shared__ __align__(16) float sq[ATT_MAX_HD];
+    __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * DJ];
+    kernel_start();
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
@@ -72,9 +80,40 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     const size_t base = (size_t)slot * capacity * kv_dim + (size_t)kvh * hd;
     const f16_t* K = kc + base;
     const f16_t* V = vc + base;
-    const float* q = qkv + (size_t)r * (q_dim + 2 * kv_dim) + (size_t)h * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
-    __syncthreads();
+    const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
+    const float* q = row + (size_t)h * hd;
+    // The current position's K and V come from shared memory when this launch rotates them.
+    const int own = rope && t_begin < total && t_end == total ? total - 1 : -1;
+    if (rope) {
+        const int half = hd / 2;
+        const float* table = rope + (size_t)(total - 1) * hd;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const float c = table[2 * i], sn = table[2 * i + 1];
+            sq[i] = round_f16(__fsub_rn(__fmul_rn(q[i], c), __fmul_rn(q[i + half], sn)));
+            sq[i + half] = round_f16(__fadd_rn(__fmul_rn(q[i], sn), __fmul_rn(q[i + half], c)));
+            if (own >= 0) {
+                const float* k = row + q_dim + (size_t)kvh * hd;
+                sk[i] = f32_to_f16(__fsub_rn(__fmul_rn(k[i], c), __fmul_rn(k[i + half], sn)));
+                sk[i + half] = f32_to_f16(__fadd_rn(__fmul_rn(k[i], sn), __fmul_rn(k[i + half], c)));
+            }
+        }
+        if (own >= 0) {
+            const float* v = row + q_dim + kv_dim + (size_t)kvh * hd;
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = f32_to_f16(v[i]);
+        }
+        __syncthreads();
+        if (own >= 0 && h % (n_heads / n_kv_heads) == 0) {
+            f16_t* kd = (f16_t*)K + (size_t)own * kv_dim;
+            f16_t* vd = (f16_t*)V + (size_t)own * kv_dim;
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+                kd[i] = sk[i];
+                vd[i] = sv[i];
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
+        __syncthreads();
+    }
 
     float m = NEG_INF, l = 0.0f;
     float acc[DJ];
@@ -85,7 +124,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         const int t = t0 + lane;
         float score = NEG_INF;
         if (t < t_end) {
-            const f16_t* k = K + (size_t)t * kv_dim;
+            const f16_t* k = t == own ? sk : K + (size_t)t * kv_dim;
             float dot = 0.0f;
             if (vec) {
                 // All of the row's 16-byte loads first (hd <= 32 * DJ), then the products.
@@ -124,7 +163,8 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             f16_t v[8][DJ];
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
-                const f16_t* vr = V + (size_t)(t0 + j0 + jj) * kv_dim;
+                const int tv = t0 + j0 + jj;
+                const f16_t* vr = tv == own ? sv : V + (size_t)tv * kv_dim;
 #pragma unroll
                 for (int j = 0; j < DJ; j++) {
                     const int d = lane + 32 * j;
@@ -192,9 +232,9 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
         const f16_t* kc, const f16_t* vc, int slot, int capacity, int splits, f16_t* out,          \
-        float* partial, int* tickets) {                                                            \
+        float* partial, int* tickets, const float* rope) {                                         \
         attention<DJ>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, capacity, splits,   \
-                      out, partial, tickets);                                                      \
+                      out, partial, tickets, rope);                                                \
     }
 
 ATTENTION_KERNEL(1)

@@ -19,10 +19,38 @@ typedef unsigned long long u64;
 // Layout of a session's step block in device memory (src/backend/cuda/mod.rs, `StepLayout`).
 #define STEP_START_POS 0
 #define STEP_ROWS 1
-#define STEP_RESULT 2
-#define STEP_TOKENS 4
+#define STEP_RESULT 2 // the chosen token (argmax or sample)
+#define STEP_TOP_K 3     // sampling: keep the k largest logits (0: all)
+#define STEP_INV_TEMP 4  // sampling: 1 / temperature, f32 bits
+#define STEP_TOP_P 5     // sampling: nucleus mass, f32 bits
+#define STEP_DRAW_LO 6   // sampling: 53-bit uniform draw, low word
+#define STEP_DRAW_HI 7   //   and high word
+#define STEP_TOKENS 8
 
 #define NEG_INF (-__int_as_float(0x7f800000))
+
+// Programmatic dependent launch (sm_90+; src/backend/cuda/driver.rs `launch`). A kernel may be
+// scheduled while its predecessor on the stream still runs, so each kernel calls
+// `wait_for_predecessor` before touching memory that earlier work writes or reads (only immutable
+// weights may be loaded before it), then `allow_successor` so that the next kernel's launch
+// overlaps this one. Both are no-ops when the kernel was launched without the attribute.
+DEV void wait_for_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+DEV void allow_successor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The usual start of a kernel: nothing to prefetch before the predecessor finishes.
+DEV void kernel_start() {
+    wait_for_predecessor();
+    allow_successor();
+}
 
 DEV float f16_to_f32(f16_t h) {
     float f;

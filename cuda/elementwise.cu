@@ -5,6 +5,7 @@
 // out[r] = table[token_r] for the staged tokens (f32 output). grid (rows, ceil(width / 256)).
 extern "C" __global__ void embed_f32(const f16_t* __restrict__ table, const int* __restrict__ step,
                                      int vocab, int width, float* __restrict__ out) {
+    kernel_start();
     const int r = blockIdx.x, i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= width) return;
     const int token = step[STEP_TOKENS + r];
@@ -15,6 +16,7 @@ extern "C" __global__ void embed_f32(const f16_t* __restrict__ table, const int*
 // Same, f16 output (input of a factorized embedding projection).
 extern "C" __global__ void embed_f16(const f16_t* __restrict__ table, const int* __restrict__ step,
                                      int vocab, int width, f16_t* __restrict__ out) {
+    kernel_start();
     const int r = blockIdx.x, i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= width) return;
     const int token = step[STEP_TOKENS + r];
@@ -43,6 +45,7 @@ DEV uint2 norm4(float4 x, uint2 w, uint2 b, float mean, float inv, bool has_bias
 extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int layer_norm, float eps,
                                      const f16_t* __restrict__ w, const f16_t* __restrict__ b,
                                      int has_bias, f16_t* __restrict__ out) {
+    kernel_start();
     extern __shared__ __align__(16) float srow[];
     __shared__ float scratch[32];
     const float* row = x + (size_t)blockIdx.x * d;
@@ -128,6 +131,7 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
                                    int n_heads, int n_kv_heads, int hd,
                                    const float* __restrict__ rope, f16_t* __restrict__ kc,
                                    f16_t* __restrict__ vc, int slot, int capacity) {
+    kernel_start();
     const int r = blockIdx.x;
     const int p = blockIdx.y * blockDim.x + threadIdx.x;
     const int pos = step[STEP_START_POS] + r;
@@ -159,12 +163,14 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
 
 // acc += x over `len` values.
 extern "C" __global__ void add_f32(float* __restrict__ acc, const float* __restrict__ x, int len) {
+    kernel_start();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
         acc[i] = __fadd_rn(acc[i], x[i]);
 }
 
 // out = f16(x) over `len` values.
 extern "C" __global__ void to_half(const float* __restrict__ x, int len, f16_t* __restrict__ out) {
+    kernel_start();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
         out[i] = f32_to_f16(x[i]);
 }
@@ -172,6 +178,7 @@ extern "C" __global__ void to_half(const float* __restrict__ x, int len, f16_t* 
 // out = f16(silu(gate) * up) over `len` values.
 extern "C" __global__ void swiglu(const float* __restrict__ gate, const float* __restrict__ up,
                                   int len, f16_t* __restrict__ out) {
+    kernel_start();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
         out[i] = f32_to_f16(silu_mul(gate[i], up[i]));
 }
@@ -223,6 +230,7 @@ DEV void arg_reduce(float& bv, int& bi, float* sv, int* si) {
 // Ties go to the lowest index whichever block finishes last, so the result is deterministic.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, float* part_v,
                                       int* part_i, int* ticket, int* __restrict__ result) {
+    kernel_start();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;

@@ -51,6 +51,7 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
               float* __restrict__ out, int accumulate) {
     __shared__ __align__(16) u32 As[BM][SROW];
     __shared__ __align__(16) u32 Bs[BN][SROW];
+    kernel_start();
     const bool Q = BITS != 16;
     const u64 policy = l2_policy(stream_hint != 0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

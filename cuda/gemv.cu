@@ -109,11 +109,65 @@ DEV float row_sum(float v, int tpr, float* red, int slot, int slots) {
     return total;
 }
 
-template <int BITS, int R, bool GATEUP>
-DEV void gemv(const f16_t* __restrict__ x, int rows, int K, const u8* __restrict__ w0,
+// The input of a GEMV: f16 rows, or (NORM) f32 rows normalized on the fly like norm_rows.
+struct GemvInput {
+    const f16_t* x;  // f16 rows (plain)
+    const float* xf; // f32 rows to normalize (NORM)
+    const f16_t* nw; // norm weight
+    const f16_t* nb; // norm bias, or null
+    int layer_norm;
+    float eps;
+};
+
+// Mean and 1 / sqrt(var + eps) of the f32 row `x` of width K (a multiple of 8), as norm_rows
+// computes them (mean = 0 for RMSNorm). Every thread gets both.
+DEV float2 row_norm_stats(const float* __restrict__ x, int K, int layer_norm, float eps,
+                          float* scratch) {
+    const float4* v = (const float4*)x;
+    const float n = (float)K;
+    float mean = 0.0f;
+    if (layer_norm) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+            const float4 a = v[i];
+            s += (a.x + a.y) + (a.z + a.w);
+        }
+        mean = __fdiv_rn(block_sum(s, scratch), n);
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
+        const float4 a = v[i];
+        const float e[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float d = __fsub_rn(e[k], mean);
+            ss = fmaf(d, d, ss);
+        }
+    }
+    const float var = __fdiv_rn(block_sum(ss, scratch), n);
+    return make_float2(mean, __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps))));
+}
+
+// Four normalized values, rounded to f16 exactly like norm_rows, widened back to f32.
+DEV float4 norm_f16x4(float4 x, uint2 w, uint2 b, float2 st) {
+    const float xs[4] = {x.x, x.y, x.z, x.w};
+    const float ws[4] = {lo_f16(w.x), hi_f16(w.x), lo_f16(w.y), hi_f16(w.y)};
+    const float bs[4] = {lo_f16(b.x), hi_f16(b.x), lo_f16(b.y), hi_f16(b.y)};
+    float o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float v = __fmul_rn(__fmul_rn(__fsub_rn(xs[j], st.x), st.y), ws[j]);
+        o[j] = round_f16(__fadd_rn(v, bs[j]));
+    }
+    return make_float4(o[0], o[1], o[2], o[3]);
+}
+
+template <int BITS, int R, bool GATEUP, bool NORM>
+DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
               const f16_t* __restrict__ sz0, const u8* __restrict__ w1,
               const f16_t* __restrict__ sz1, int N, int group, int tpr, int stream_hint,
               float* __restrict__ out, int accumulate, f16_t* __restrict__ out_h) {
+    static_assert(!NORM || R == 1, "normalizing GEMVs take one row");
     extern __shared__ __align__(16) float smem[];
     __shared__ float red[(GEMV_THREADS / 32) * 2 * R];
     const bool Q = BITS != 16;
@@ -164,21 +218,37 @@ DEV void gemv(const f16_t* __restrict__ x, int rows, int K, const u8* __restrict
             }
         }
     };
-    // 1. The first batch of weights is requested before x is staged, so the two latencies overlap.
+    // 1. The first batch of weights is requested before x is staged (and, with programmatic
+    //    launch, before the kernel that writes x has finished), so the latencies overlap.
     load_batch(lane);
+    kernel_start();
 
     // 2. Stage x as f32 (rows >= `rows` are zero), 8 values per thread and step; for quantized
     //    weights the four threads of a 32-value unit also sum it (shuffles, fixed order).
+    float2 stats = make_float2(0.0f, 1.0f);
+    if (NORM) stats = row_norm_stats(input.xf, K, input.layer_norm, input.eps, red);
     const int chunks = K >> 3;
     const int total = R * chunks;
     for (int base = 0; base < total; base += blockDim.x) {
         const int i = base + threadIdx.x;
         const bool in = i < total;
         const int r = in ? i / chunks : 0, c = in ? i - r * chunks : 0;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (in && r < rows) v = *(const uint4*)(x + (size_t)r * K + 8 * c);
-        const float4 a = make_float4(lo_f16(v.x), hi_f16(v.x), lo_f16(v.y), hi_f16(v.y));
-        const float4 b = make_float4(lo_f16(v.z), hi_f16(v.z), lo_f16(v.w), hi_f16(v.w));
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (NORM) {
+            if (in && r < rows) {
+                const float4* xv = (const float4*)(input.xf + 8 * c);
+                const uint4 wv = *(const uint4*)(input.nw + 8 * c);
+                const uint4 bv =
+                    input.nb ? *(const uint4*)(input.nb + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+                a = norm_f16x4(xv[0], make_uint2(wv.x, wv.y), make_uint2(bv.x, bv.y), stats);
+                b = norm_f16x4(xv[1], make_uint2(wv.z, wv.w), make_uint2(bv.z, bv.w), stats);
+            }
+        } else {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (in && r < rows) v = *(const uint4*)(input.x + (size_t)r * K + 8 * c);
+            a = make_float4(lo_f16(v.x), hi_f16(v.x), lo_f16(v.y), hi_f16(v.y));
+            b = make_float4(lo_f16(v.z), hi_f16(v.z), lo_f16(v.w), hi_f16(v.w));
+        }
         const int u = (8 * c) / UNIT, off = (8 * c) - u * UNIT;
         float* dst = smem + (r * U + u) * STRIDE + off;
         if (in) {
@@ -252,26 +322,67 @@ DEV void gemv(const f16_t* __restrict__ x, int rows, int K, const u8* __restrict
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
         gemv_b##B##_r##R(const f16_t* x, int rows, int K, const u8* w, const f16_t* sz, int N,    \
                          int group, int tpr, int stream, float* out, int accumulate) {            \
-        gemv<B, R, false>(x, rows, K, w, sz, w, sz, N, group, tpr, stream, out, accumulate,       \
-                          nullptr);                                                               \
+        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f};                             \
+        gemv<B, R, false, false>(in, rows, K, w, sz, w, sz, N, group, tpr, stream, out,           \
+                                 accumulate, nullptr);                                            \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
         gemv_gateup_b##B##_r##R(                                                                  \
         const f16_t* x, int rows, int K, const u8* wg, const f16_t* szg, const u8* wu,            \
         const f16_t* szu, int N, int group, int tpr, int stream, f16_t* out) {                    \
-        gemv<B, R, true>(x, rows, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0, out);   \
+        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f};                             \
+        gemv<B, R, true, false>(in, rows, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0, \
+                                out);                                                             \
     }
 
+// One row normalized on the fly (decode): `nb` may be null (no bias).
+#define GEMV_NORM_KERNELS(B)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) gemv_norm_b##B(   \
+        const float* xf, int K, const f16_t* nw, const f16_t* nb, int layer_norm, float eps,      \
+        const u8* w, const f16_t* sz, int N, int group, int tpr, int stream, float* out,          \
+        int accumulate) {                                                                         \
+        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps};                              \
+        gemv<B, 1, false, true>(in, 1, K, w, sz, w, sz, N, group, tpr, stream, out, accumulate,   \
+                                nullptr);                                                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
+        gemv_gateup_norm_b##B(const float* xf, int K, const f16_t* nw, const f16_t* nb,           \
+                              int layer_norm, float eps, const u8* wg, const f16_t* szg,          \
+                              const u8* wu, const f16_t* szu, int N, int group, int tpr,          \
+                              int stream, f16_t* out) {                                           \
+        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps};                              \
+        gemv<B, 1, true, true>(in, 1, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0,     \
+                               out);                                                              \
+    }
+
+// The library compiles one program per bit width (GEMV_BITS), in parallel; without GEMV_BITS
+// (scripts/check-kernels.sh) every width is compiled. The generic fallback goes with width 16.
+#ifdef GEMV_BITS
+#define GEMV_ALL 0
+#else
+#define GEMV_ALL 1
+#endif
+
+#if GEMV_ALL || GEMV_BITS == 16
 GEMV_KERNELS(16, 1)
 GEMV_KERNELS(16, 2)
 GEMV_KERNELS(16, 4)
+GEMV_NORM_KERNELS(16)
+#endif
+#if GEMV_ALL || GEMV_BITS == 4
 GEMV_KERNELS(4, 1)
 GEMV_KERNELS(4, 2)
 GEMV_KERNELS(4, 4)
+GEMV_NORM_KERNELS(4)
+#endif
+#if GEMV_ALL || GEMV_BITS == 2
 GEMV_KERNELS(2, 1)
 GEMV_KERNELS(2, 2)
 GEMV_KERNELS(2, 4)
+GEMV_NORM_KERNELS(2)
+#endif
 
+#if GEMV_ALL || GEMV_BITS == 16
 // Fallback for shapes the fast kernels do not take (K not a multiple of 32, group sizes not a
 // multiple of 32): one warp per output, dequantized elementwise exactly like the CPU reference.
 // grid (ceil(N / 8), M), 256 threads.
@@ -279,6 +390,7 @@ extern "C" __global__ void linear_generic(const f16_t* __restrict__ X, int M, in
                                           const u8* __restrict__ W, const f16_t* __restrict__ sz,
                                           int bits, int N, int group, float* __restrict__ out,
                                           int accumulate) {
+    kernel_start();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 8 + warp, m = blockIdx.y;
     if (n >= N || m >= M) return;
@@ -306,3 +418,4 @@ extern "C" __global__ void linear_generic(const f16_t* __restrict__ X, int M, in
         out[o] = accumulate ? __fadd_rn(out[o], acc) : acc;
     }
 }
+#endif

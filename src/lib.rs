@@ -180,8 +180,16 @@ impl Model {
         if options.max_loops == 0 {
             return Err(Error::invalid("max_loops must be > 0"));
         }
-        let file = ModelFile::open(path.as_ref())?;
-        let choice = device::select(Device::resolve(options.device)?)?;
+        // Device initialization (driver, context, kernels) overlaps reading and checking the file.
+        let (file, choice) = std::thread::scope(|scope| {
+            let device = scope.spawn(|| Device::resolve(options.device).and_then(device::select));
+            let file = ModelFile::open(path.as_ref());
+            let choice = device
+                .join()
+                .unwrap_or_else(|_| Err(Error::Device("device initialization panicked".into())));
+            (file, choice)
+        });
+        let (file, choice) = (file?, choice?);
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {

@@ -15,6 +15,7 @@ use half::f16;
 
 use crate::error::Result;
 use crate::format::DType;
+use crate::generate::sampling::{self, SamplingParams};
 use crate::model::config::NormKind;
 use crate::model::quant::QuantizedMatrix;
 
@@ -42,17 +43,44 @@ impl HostLinear<'_> {
     }
 }
 
-/// Position-dependent inputs of one forward step: token ids and the position of the first row.
+/// Position-dependent inputs of one forward step: token ids, the position of the first row, and
+/// how [`Backend::choose`] picks a token from this step's logits.
 #[derive(Clone, Copy, Debug)]
 pub struct StepInput<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
+    pub choice: Choice,
+}
+
+/// How the next token is chosen from a row of logits.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Choice {
+    /// The largest logit (lowest index on ties).
+    #[default]
+    Greedy,
+    /// [`sampling::sample`] with these parameters and this 53-bit uniform draw.
+    Sample { params: SamplingParams, draw: u64 },
+}
+
+impl Choice {
+    pub fn is_sample(&self) -> bool {
+        matches!(self, Choice::Sample { .. })
+    }
+}
+
+/// A norm layer as the ops take it.
+#[derive(Clone, Copy, Debug)]
+pub struct NormLayer<'a, V> {
+    pub kind: NormKind,
+    pub eps: f32,
+    pub weight: &'a V,
+    pub bias: Option<&'a V>,
 }
 
 /// A device and the kernels that run on it.
 ///
 /// Buffer types own device memory. Every op enqueues work; only the `read_*` methods and
-/// [`Backend::argmax`] wait for results. `rows` arguments never exceed the row capacity the
+/// [`Backend::chosen_token`] wait for results. `rows` arguments never exceed the row capacity the
 /// buffer was allocated with (the forward pass guarantees this).
 pub trait Backend: Send + Sync + Sized + 'static {
     /// f32 rows (residual stream, linear outputs, logits).
@@ -91,15 +119,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn embed_half(&self, table: &Self::Linear, step: &Self::Step, out: &mut Self::Half);
 
     /// Normalize `rows` rows of `x` (width = weight length) and round to f16.
-    #[allow(clippy::too_many_arguments)]
     fn norm(
         &self,
-        kind: NormKind,
-        eps: f32,
+        norm: &NormLayer<Self::Vector>,
         x: &Self::Float,
         rows: usize,
-        weight: &Self::Vector,
-        bias: Option<&Self::Vector>,
         out: &mut Self::Half,
     );
 
@@ -126,6 +150,39 @@ pub trait Backend: Send + Sync + Sized + 'static {
         up_buf: &mut Self::Float,
         out: &mut Self::Half,
     );
+
+    /// `out = norm(x) · wᵀ` for `rows` rows. The default normalizes into `h` and calls
+    /// [`Backend::linear`]; a backend may fuse the two, leaving `h` unspecified.
+    fn norm_linear(
+        &self,
+        norm: &NormLayer<Self::Vector>,
+        x: &Self::Float,
+        rows: usize,
+        w: &Self::Linear,
+        h: &mut Self::Half,
+        out: &mut Self::Float,
+    ) {
+        self.norm(norm, x, rows, h);
+        self.linear(h, 0, rows, w, out, false);
+    }
+
+    /// [`Backend::mlp_gate_up`] of `norm(x)`. The default normalizes into `h`; a backend may
+    /// fuse the norm into the product, leaving `h` unspecified.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_mlp_gate_up(
+        &self,
+        norm: &NormLayer<Self::Vector>,
+        x: &Self::Float,
+        rows: usize,
+        gate: &Self::Linear,
+        up: &Self::Linear,
+        h: &mut Self::Half,
+        scratch: (&mut Self::Float, &mut Self::Float),
+        out: &mut Self::Half,
+    ) {
+        self.norm(norm, x, rows, h);
+        self.mlp_gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
+    }
 
     /// Apply RoPE to the Q and K parts of `qkv` (`rows` rows at the staged positions) and write
     /// K and V into `slot` of the cache.
@@ -155,6 +212,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
         out: &mut Self::Half,
     );
 
+    /// [`Backend::rope_store_kv`], then [`Backend::attention`]; a backend may fuse the two (then
+    /// `qkv` is left unspecified).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        qkv: &mut Self::Float,
+        step: &Self::Step,
+        rows: usize,
+        heads: AttentionShape,
+        rope: &Self::Float,
+        kv: &mut Self::KvCache,
+        slot: usize,
+        out: &mut Self::Half,
+    ) {
+        self.rope_store_kv(qkv, step, rows, heads, rope, kv, slot);
+        self.attention(qkv, step, rows, heads, kv, slot, out);
+    }
+
     /// `acc += x` elementwise over the first `len` values.
     fn add(&self, acc: &mut Self::Float, x: &Self::Float, len: usize);
 
@@ -167,16 +242,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Upload host values into a float buffer (used for constant tables).
     fn write_float(&self, x: &mut Self::Float, values: &[f32]) -> Result<()>;
 
-    /// Index of the largest of `len` values at `offset` (lowest index on ties).
-    fn argmax(&self, x: &Self::Float, offset: usize, len: usize) -> Result<u32> {
-        Ok(crate::generate::sampling::argmax(
-            &self.read_float(x, offset, len)?,
-        ))
-    }
+    /// Choose a token from the first `len` logits of `logits` as the last staged step's
+    /// [`Choice`] says, into the step (so that it can be part of a captured graph); read it with
+    /// [`Backend::chosen_token`].
+    fn choose(&self, logits: &Self::Float, len: usize, step: &mut Self::Step);
 
-    // Decode graphs and the device-side greedy choice (model/forward.rs `decode_step`). The
-    // defaults capture nothing and compute the argmax when it is asked for, so a backend without
-    // graphs runs the same ops eagerly.
+    /// The token of the last [`Backend::choose`] (waits for the device).
+    fn chosen_token(&self, step: &Self::Step) -> Result<u32>;
+
+    // Decode graphs (model/forward.rs `decode_step`). The defaults capture nothing, so a backend
+    // without graphs runs the same ops eagerly.
 
     /// Launch the graph captured for `key` in this step's session; false when there is none
     /// (the caller then issues the ops itself).
@@ -198,28 +273,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Drop this step's graphs (a buffer they use was reallocated).
     fn graph_reset(&self, _step: &mut Self::Step) {}
+}
 
-    /// Enqueue the argmax of `len` values at `offset` into a slot of the step, so that it can be
-    /// part of a captured graph; read it with [`Backend::argmax_result`].
-    fn argmax_enqueue(
-        &self,
-        _x: &Self::Float,
-        _offset: usize,
-        _len: usize,
-        _step: &mut Self::Step,
-    ) {
-    }
-
-    /// The argmax enqueued by [`Backend::argmax_enqueue`] (waits for the device). The default
-    /// computes it now with [`Backend::argmax`].
-    fn argmax_result(
-        &self,
-        x: &Self::Float,
-        offset: usize,
-        len: usize,
-        _step: &Self::Step,
-    ) -> Result<u32> {
-        self.argmax(x, offset, len)
+/// The token `choice` picks from a row of logits on the host (the reference every backend's
+/// [`Backend::choose`] matches).
+pub fn choose_on_host(logits: &[f32], choice: &Choice) -> u32 {
+    match choice {
+        Choice::Greedy => sampling::argmax(logits),
+        Choice::Sample { params, draw } => sampling::sample(logits, params, *draw),
     }
 }
 

@@ -38,7 +38,7 @@ enum ModelCommand {
     Bench(BenchArgs),
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct CommonArgs {
     /// auto, cpu, cuda or cuda:N (default: TINYLOOP_DEVICE, else auto).
     #[arg(long)]
@@ -527,11 +527,21 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     }
     let prefill_ms = median(prefill);
     let decode_ms = median(decode);
+    // Opening again in the same process: the driver, context and kernels are loaded already, as
+    // for a service that loads a second model or reloads one.
+    let start = Instant::now();
+    let quiet = CommonArgs {
+        quiet: true,
+        ..common.clone()
+    };
+    drop(open(path, &quiet)?);
+    let reload_ms = start.elapsed().as_secs_f64() * 1e3;
     let loops = common.loops.unwrap_or(model.config().default_loops);
     let report = json!({
         "device": model.info().device,
         "loops": loops,
         "load_ms": load_ms,
+        "reload_ms": reload_ms,
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
         "prefill_ms": prefill_ms,
@@ -547,7 +557,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         println!(
-            "device {}  loops {loops}\n  load            {load_ms:>10.1} ms\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB",
+            "device {}  loops {loops}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB",
             model.info().device,
             args.prompt_len,
             args.prompt_len as f64 / prefill_ms * 1e3,

@@ -8,9 +8,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::backend::cpu::{dot, CpuBackend, CpuKvCache, CpuLinear, CpuStep};
-use crate::backend::{AttentionShape, Backend, HostLinear, StepInput};
+use crate::backend::{AttentionShape, Backend, HostLinear, NormLayer, StepInput};
 use crate::error::Result;
-use crate::model::config::NormKind;
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
 pub struct Hessian {
@@ -142,17 +141,8 @@ impl Backend for CaptureBackend {
         CpuBackend.embed_half(&table.inner, step, out)
     }
 
-    fn norm(
-        &self,
-        kind: NormKind,
-        eps: f32,
-        x: &Vec<f32>,
-        rows: usize,
-        weight: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
-        out: &mut Vec<f32>,
-    ) {
-        CpuBackend.norm(kind, eps, x, rows, weight, bias, out)
+    fn norm(&self, norm: &NormLayer<Vec<f32>>, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        CpuBackend.norm(norm, x, rows, out)
     }
 
     fn linear(
@@ -223,5 +213,13 @@ impl Backend for CaptureBackend {
 
     fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {
         CpuBackend.write_float(x, values)
+    }
+
+    fn choose(&self, logits: &Vec<f32>, len: usize, step: &mut CpuStep) {
+        CpuBackend.choose(logits, len, step)
+    }
+
+    fn chosen_token(&self, step: &CpuStep) -> Result<u32> {
+        CpuBackend.chosen_token(step)
     }
 }

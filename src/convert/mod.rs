@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use half::f16;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::backend::StepInput;
+use crate::backend::{Choice, StepInput};
 use crate::error::{Error, Result};
 use crate::format::{DType, FileWriter, ModelFile};
 use crate::model::config::ModelConfig;
@@ -241,6 +241,7 @@ fn calibrate(
             StepInput {
                 tokens,
                 start_pos: 0,
+                choice: Choice::Greedy,
             },
             loops,
         )?;

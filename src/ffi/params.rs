@@ -41,11 +41,13 @@ pub struct tl_generate_params {
     pub loops: i32,
     /// 0 (default) selects greedy decoding; otherwise a finite value > 0.
     pub temperature: f32,
-    /// Keep only the k most likely tokens; 0 (default) keeps all.
+    /// Keep only the k most likely tokens (and any tied with the k-th); 0 (default) keeps all.
     pub top_k: u32,
-    /// Nucleus sampling threshold in (0, 1]; 1 (default) keeps all.
+    /// Nucleus sampling threshold in (0, 1]: keep the fewest most likely tokens whose
+    /// probability reaches it (ties at the cut kept); 1 (default) keeps all.
     pub top_p: f32,
-    /// Seed of the sampler; the same seed and inputs give the same tokens. Default 0.
+    /// Seed of the sampler; the same seed and inputs give the same tokens, and the CPU and the
+    /// GPU sample the same token from the same logits. Default 0.
     pub seed: u64,
     /// Generation ends when one of these tokens is produced; it is not returned. May be NULL
     /// when `n_stop_tokens` is 0. Only read during the call.

@@ -5,13 +5,13 @@ pub mod sampling;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::backend::{Backend, StepInput};
+use crate::backend::{Backend, Choice, StepInput};
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    decode_step, final_norm, forward, greedy_token, logits, Buffers, LOGIT_ROWS,
+    choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, LOGIT_ROWS,
 };
 use crate::model::weights::Weights;
-use sampling::{sample, Rng, SamplingParams};
+use sampling::{Rng, SamplingParams};
 
 /// Everything a generation call needs besides the prompt.
 #[derive(Clone, Debug)]
@@ -23,32 +23,44 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
 }
 
-/// Feed `tokens` at positions `start_pos..` in steps of at most `buf.max_rows` rows.
-/// Returns the row index of the last token within the final step.
+/// Feed `tokens` at positions `start_pos..` in steps of at most `buf.max_rows` rows; the last
+/// step carries `choice`. Returns the row index of the last token within the final step.
 fn prefill<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     tokens: &[u32],
-    start_pos: usize,
     loops: usize,
+    choice: Choice,
 ) -> Result<usize> {
+    let chunks = tokens.len().div_ceil(buf.max_rows);
     let mut last_rows = 0;
     for (i, chunk) in tokens.chunks(buf.max_rows).enumerate() {
-        let start = start_pos + i * buf.max_rows;
-        forward(
-            backend,
-            w,
-            buf,
-            StepInput {
-                tokens: chunk,
-                start_pos: start,
+        let input = StepInput {
+            tokens: chunk,
+            start_pos: i * buf.max_rows,
+            choice: if i + 1 == chunks {
+                choice
+            } else {
+                Choice::Greedy
             },
-            loops,
-        )?;
+        };
+        forward(backend, w, buf, input, loops)?;
         last_rows = chunk.len();
     }
     Ok(last_rows - 1)
+}
+
+/// How the next token is chosen: greedily, or by sampling with the generator's next draw.
+fn next_choice(params: &SamplingParams, rng: &mut Rng) -> Choice {
+    if params.is_greedy() {
+        Choice::Greedy
+    } else {
+        Choice::Sample {
+            params: *params,
+            draw: rng.next_draw(),
+        }
+    }
 }
 
 /// Logits of one row of the current step, on the host.
@@ -77,17 +89,12 @@ pub fn generate<B: Backend>(
 ) -> Result<Vec<u32>> {
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Vec::with_capacity(req.max_tokens);
-    let vocab = w.config.vocab_size;
-    let last = prefill(backend, w, buf, prompt, 0, req.loops)?;
-    let rows = last + 1;
-    let mut next = if req.sampling.is_greedy() {
-        final_norm(backend, w, buf, rows);
-        logits(backend, w, buf, last, 1);
-        backend.argmax(&buf.logits, 0, vocab)?
-    } else {
-        let row = row_logits(backend, w, buf, rows, last)?;
-        sample(&row, &req.sampling, &mut rng)
-    };
+    let choice = next_choice(&req.sampling, &mut rng);
+    let last = prefill(backend, w, buf, prompt, req.loops, choice)?;
+    final_norm(backend, w, buf, last + 1);
+    logits(backend, w, buf, last, 1);
+    choose(backend, w, buf);
+    let mut next = chosen_token(backend, buf)?;
     let mut pos = prompt.len();
     loop {
         if cancel.load(Ordering::Acquire) {
@@ -100,14 +107,14 @@ pub fn generate<B: Backend>(
         if !on_token(next) || out.len() == req.max_tokens {
             break;
         }
-        decode_step(backend, w, buf, next, pos, req.loops)?;
-        pos += 1;
-        next = if req.sampling.is_greedy() {
-            greedy_token(backend, w, buf)?
-        } else {
-            let row = backend.read_float(&buf.logits, 0, vocab)?;
-            sample(&row, &req.sampling, &mut rng)
+        let input = StepInput {
+            tokens: &[next],
+            start_pos: pos,
+            choice: next_choice(&req.sampling, &mut rng),
         };
+        decode_step(backend, w, buf, input, req.loops)?;
+        pos += 1;
+        next = chosen_token(backend, buf)?;
     }
     Ok(out)
 }
@@ -129,6 +136,7 @@ pub fn score<B: Backend>(
         StepInput {
             tokens,
             start_pos: 0,
+            choice: Choice::Greedy,
         },
         loops,
     )?;
@@ -158,6 +166,7 @@ pub fn score_last<B: Backend>(
         StepInput {
             tokens,
             start_pos: 0,
+            choice: Choice::Greedy,
         },
         loops,
     )?;

@@ -4,7 +4,7 @@
 //! application (pre blocks, the loop body L times, post blocks). Application `a` owns KV slot `a`,
 //! so the state after loop iteration i never depends on the total L.
 
-use crate::backend::{AttentionShape, Backend, StepInput};
+use crate::backend::{AttentionShape, Backend, NormLayer, StepInput};
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
 use crate::model::weights::{BlockWeights, Head, Norm, Weights};
@@ -158,26 +158,22 @@ fn step_ops<B: Backend>(
     }
 }
 
-/// One decode step: feed `token` at `pos`, leave its logits in `buf.logits` row 0 and enqueue
-/// the greedy choice (read it with [`greedy_token`]).
+/// One decode step: feed `input` (one token), leave its logits in `buf.logits` row 0 and
+/// choose the next token as `input.choice` says (read it with [`chosen_token`]).
 ///
-/// After `set_step`, the ops depend only on `loops` (kernels read the token and position staged
-/// in device memory), so a backend with graphs captures them once per loop count and replays.
+/// After `set_step`, the ops depend only on `loops` and on whether the choice samples (kernels
+/// read the token, position and sampling parameters staged in device memory), so a backend with
+/// graphs captures them once per such key and replays.
 pub fn decode_step<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
-    token: u32,
-    pos: usize,
+    input: StepInput,
     loops: usize,
 ) -> Result<()> {
-    let tokens = [token];
-    let input = StepInput {
-        tokens: &tokens,
-        start_pos: pos,
-    };
+    debug_assert_eq!(input.tokens.len(), 1);
     // Validation, KV reservation and staging happen outside any graph.
-    let key = loops as u64;
+    let key = (loops as u64) << 1 | input.choice.is_sample() as u64;
     stage(backend, w, buf, input, loops)?;
     if backend.graph_replay(&mut buf.step, key)? {
         return Ok(());
@@ -186,16 +182,21 @@ pub fn decode_step<B: Backend>(
     step_ops(backend, w, buf, 1, loops);
     final_norm(backend, w, buf, 1);
     logits(backend, w, buf, 0, 1);
-    backend.argmax_enqueue(&buf.logits, 0, w.config.vocab_size, &mut buf.step);
+    backend.choose(&buf.logits, w.config.vocab_size, &mut buf.step);
     if capturing {
         backend.graph_end(&mut buf.step, key)?;
     }
     Ok(())
 }
 
-/// The greedy token of the last [`decode_step`] (waits for the device).
-pub fn greedy_token<B: Backend>(backend: &B, w: &Weights<B>, buf: &Buffers<B>) -> Result<u32> {
-    backend.argmax_result(&buf.logits, 0, w.config.vocab_size, &buf.step)
+/// Choose the next token from logits row 0 as the last staged step's choice says.
+pub fn choose<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>) {
+    backend.choose(&buf.logits, w.config.vocab_size, &mut buf.step);
+}
+
+/// The token chosen by the last [`decode_step`] or [`choose`] (waits for the device).
+pub fn chosen_token<B: Backend>(backend: &B, buf: &Buffers<B>) -> Result<u32> {
+    backend.chosen_token(&buf.step)
 }
 
 fn block_forward<B: Backend>(
@@ -215,48 +216,55 @@ fn block_forward<B: Backend>(
     let kv = buf.kv.as_mut().expect("KV cache reserved before the step");
 
     // Attention: x += attn_out · attention(rope(qkv · norm(x)))
-    norm(backend, config, &block.attn_norm, &buf.x, rows, &mut buf.h);
-    backend.linear(&buf.h, 0, rows, &block.attn_qkv, &mut buf.qkv, false);
-    backend.rope_store_kv(&mut buf.qkv, &buf.step, rows, heads, rope, kv, slot);
-    backend.attention(&buf.qkv, &buf.step, rows, heads, kv, slot, &mut buf.att);
+    let attn_norm = norm_layer(config, &block.attn_norm);
+    backend.norm_linear(
+        &attn_norm,
+        &buf.x,
+        rows,
+        &block.attn_qkv,
+        &mut buf.h,
+        &mut buf.qkv,
+    );
+    backend.rope_attention(
+        &mut buf.qkv,
+        &buf.step,
+        rows,
+        heads,
+        rope,
+        kv,
+        slot,
+        &mut buf.att,
+    );
     backend.linear(&buf.att, 0, rows, &block.attn_out, &mut buf.x, true);
 
-    // MLP: x += mlp_down · (silu(mlp_gate · h) * (mlp_up · h)), h = norm(x)
-    norm(backend, config, &block.mlp_norm, &buf.x, rows, &mut buf.h);
-    backend.mlp_gate_up(
-        &buf.h,
+    // MLP: x += mlp_down · (silu(mlp_gate · norm(x)) * (mlp_up · norm(x)))
+    let mlp_norm = norm_layer(config, &block.mlp_norm);
+    backend.norm_mlp_gate_up(
+        &mlp_norm,
+        &buf.x,
         rows,
         &block.mlp_gate,
         &block.mlp_up,
-        &mut buf.gate,
-        &mut buf.up,
+        &mut buf.h,
+        (&mut buf.gate, &mut buf.up),
         &mut buf.act,
     );
     backend.linear(&buf.act, 0, rows, &block.mlp_down, &mut buf.x, true);
 }
 
-fn norm<B: Backend>(
-    backend: &B,
-    config: &ModelConfig,
-    n: &Norm<B>,
-    x: &B::Float,
-    rows: usize,
-    out: &mut B::Half,
-) {
-    backend.norm(
-        config.norm,
-        config.norm_eps as f32,
-        x,
-        rows,
-        &n.weight,
-        n.bias.as_ref(),
-        out,
-    );
+fn norm_layer<'a, B: Backend>(config: &ModelConfig, n: &'a Norm<B>) -> NormLayer<'a, B::Vector> {
+    NormLayer {
+        kind: config.norm,
+        eps: config.norm_eps as f32,
+        weight: &n.weight,
+        bias: n.bias.as_ref(),
+    }
 }
 
 /// Apply the final norm to the step's `rows` rows.
 pub fn final_norm<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
-    norm(backend, &w.config, &w.final_norm, &buf.x, rows, &mut buf.h);
+    let norm = norm_layer(&w.config, &w.final_norm);
+    backend.norm(&norm, &buf.x, rows, &mut buf.h);
 }
 
 /// Logits of rows `first_row..first_row + n` (n ≤ LOGIT_ROWS) of the final-normed step into

@@ -7,7 +7,7 @@ mod linear;
 use half::f16;
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, HostLinear, StepInput};
+use super::{choose_on_host, AttentionShape, Backend, Choice, HostLinear, NormLayer, StepInput};
 use crate::error::{Error, Result};
 use crate::model::config::NormKind;
 
@@ -26,6 +26,8 @@ pub struct CpuBackend;
 pub struct CpuStep {
     tokens: Vec<u32>,
     start_pos: usize,
+    choice: Choice,
+    chosen: u32,
 }
 
 /// K and V for every block application, f16 values held as f32 for fast reads.
@@ -85,6 +87,8 @@ impl Backend for CpuBackend {
         Ok(CpuStep {
             tokens: Vec::with_capacity(max_rows),
             start_pos: 0,
+            choice: Choice::Greedy,
+            chosen: 0,
         })
     }
 
@@ -110,6 +114,7 @@ impl Backend for CpuBackend {
         step.tokens.clear();
         step.tokens.extend_from_slice(input.tokens);
         step.start_pos = input.start_pos;
+        step.choice = input.choice;
         Ok(())
     }
 
@@ -125,22 +130,14 @@ impl Backend for CpuBackend {
         self.embed(table, step, out);
     }
 
-    fn norm(
-        &self,
-        kind: NormKind,
-        eps: f32,
-        x: &Vec<f32>,
-        rows: usize,
-        weight: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
-        out: &mut Vec<f32>,
-    ) {
+    fn norm(&self, norm: &NormLayer<Vec<f32>>, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
+        let (weight, bias) = (norm.weight, norm.bias);
         let d = weight.len();
         for r in 0..rows {
             let row = &x[r * d..(r + 1) * d];
             let out = &mut out[r * d..(r + 1) * d];
             let n = d as f32;
-            let (mean, var) = match kind {
+            let (mean, var) = match norm.kind {
                 NormKind::RmsNorm => (0.0, row.iter().map(|v| v * v).sum::<f32>() / n),
                 NormKind::LayerNorm => {
                     let mean = row.iter().sum::<f32>() / n;
@@ -148,7 +145,7 @@ impl Backend for CpuBackend {
                     (mean, var)
                 }
             };
-            let inv = 1.0 / (var + eps).sqrt();
+            let inv = 1.0 / (var + norm.eps).sqrt();
             for i in 0..d {
                 let b = bias.map_or(0.0, |b| b[i]);
                 out[i] = round_f16((row[i] - mean) * inv * weight[i] + b);
@@ -297,5 +294,13 @@ impl Backend for CpuBackend {
     fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {
         x[..values.len()].copy_from_slice(values);
         Ok(())
+    }
+
+    fn choose(&self, logits: &Vec<f32>, len: usize, step: &mut CpuStep) {
+        step.chosen = choose_on_host(&logits[..len], &step.choice);
+    }
+
+    fn chosen_token(&self, step: &CpuStep) -> Result<u32> {
+        Ok(step.chosen)
     }
 }

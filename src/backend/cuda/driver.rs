@@ -69,6 +69,7 @@ impl Gpu {
         }
         let init_start = Instant::now();
         result::init().map_err(|e| device_error("cuInit", e))?;
+        let init_ms = init_start.elapsed().as_secs_f64() * 1e3;
         let count = result::device::get_count().map_err(|e| device_error("cuDeviceGetCount", e))?;
         if ordinal >= count.max(0) as usize {
             return Err(Error::Device(format!(
@@ -92,7 +93,7 @@ impl Gpu {
                 arch.0, arch.1
             )));
         }
-        let context_ms = init_start.elapsed().as_secs_f64() * 1e3;
+        let context_ms = init_start.elapsed().as_secs_f64() * 1e3 - init_ms;
         let start = Instant::now();
         let (kernels, note) = kernels::load(&ctx, arch)?;
         let gpu = Arc::new(Gpu {
@@ -108,7 +109,9 @@ impl Gpu {
         });
         gpu.kernels.allow_dynamic_smem(gpu.smem_optin)?;
         let load = KernelLoad {
-            note: format!("{note}; CUDA context created in {context_ms:.0} ms"),
+            note: format!(
+                "{note}; CUDA driver initialized in {init_ms:.0} ms, context created in {context_ms:.0} ms"
+            ),
             ms: start.elapsed().as_secs_f64() * 1e3,
         };
         gpus.insert(ordinal, gpu.clone());
@@ -327,6 +330,11 @@ impl Arg {
 pub(crate) const MAX_ARGS: usize = 16;
 
 /// Launch `f` on `stream`. No allocation: arguments live in a stack array for the call.
+///
+/// With `overlap` (programmatic dependent launch, sm_90+), the kernel may be scheduled while its
+/// predecessor on the stream is still running; every kernel in cuda/ calls
+/// `wait_for_predecessor()` before it touches memory that earlier work writes, so only its launch
+/// latency and its weight prefetch overlap the predecessor's tail.
 pub(crate) fn launch(
     f: sys::CUfunction,
     grid: (u32, u32, u32),
@@ -334,6 +342,7 @@ pub(crate) fn launch(
     smem: u32,
     stream: sys::CUstream,
     args: &[Arg],
+    overlap: bool,
 ) -> std::result::Result<(), DriverError> {
     assert!(args.len() <= MAX_ARGS, "too many kernel arguments");
     let mut slots = [0u64; MAX_ARGS];
@@ -348,17 +357,25 @@ pub(crate) fn launch(
     for (param, slot) in params.iter_mut().zip(slots.iter_mut()) {
         *param = slot as *mut u64 as *mut c_void;
     }
+    // SAFETY (all-zero bit pattern): a plain C struct of integers and a union.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: overlap as u32,
+    };
     // SAFETY: `f` is a kernel of the loaded module whose parameter list matches `args` (each
     // call site passes the kernel's documented signature); every parameter pointer points into
-    // `slots`, which outlives the call (cuLaunchKernel copies the values before returning).
-    unsafe {
-        result::launch_kernel(
-            f,
-            grid,
-            (block, 1, 1),
-            smem,
-            stream,
-            &mut params[..args.len()],
-        )
-    }
+    // `slots` and the attribute lives in `attr`, both of which outlive the call (the driver
+    // copies the values before returning).
+    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result() }
 }

@@ -18,12 +18,13 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaContext};
 use cudarc::nvrtc::sys as nvrtc;
+use rayon::prelude::*;
 
 use super::driver::device_error;
 use crate::error::{Error, Result};
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
-pub(crate) const SOURCES: [(&str, &str); 5] = [
+pub(crate) const SOURCES: [(&str, &str); 6] = [
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
     (
         "elementwise.cu",
@@ -32,7 +33,23 @@ pub(crate) const SOURCES: [(&str, &str); 5] = [
     ("gemv.cu", include_str!("../../../cuda/gemv.cu")),
     ("gemm.cu", include_str!("../../../cuda/gemm.cu")),
     ("attention.cu", include_str!("../../../cuda/attention.cu")),
+    ("sample.cu", include_str!("../../../cuda/sample.cu")),
 ];
+
+/// The programs NVRTC compiles, in parallel: a source file and its extra options. The GEMV file
+/// is split by bit width because it dominates the compile time.
+const PROGRAMS: [(&str, &str); 7] = [
+    ("elementwise.cu", ""),
+    ("gemv.cu", "-DGEMV_BITS=16"),
+    ("gemv.cu", "-DGEMV_BITS=4"),
+    ("gemv.cu", "-DGEMV_BITS=2"),
+    ("gemm.cu", ""),
+    ("attention.cu", ""),
+    ("sample.cu", ""),
+];
+
+/// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
+const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
 
 /// NVRTC options besides the architecture. `-lineinfo` costs nothing at run time and lets
 /// compute-sanitizer name source lines.
@@ -45,9 +62,9 @@ pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
 
-/// Every kernel function of the loaded module.
+/// Every kernel function of the loaded modules.
 pub(crate) struct Kernels {
-    module: sys::CUmodule,
+    modules: Vec<sys::CUmodule>,
     pub embed_f32: sys::CUfunction,
     pub embed_f16: sys::CUfunction,
     pub norm_rows: sys::CUfunction,
@@ -56,9 +73,13 @@ pub(crate) struct Kernels {
     pub to_half: sys::CUfunction,
     pub swiglu: sys::CUfunction,
     pub argmax_f32: sys::CUfunction,
+    pub sample_token: sys::CUfunction,
     /// `[bits index][rows index]`
     pub gemv: [[sys::CUfunction; 3]; 3],
     pub gemv_gateup: [[sys::CUfunction; 3]; 3],
+    /// `[bits index]`: one row, normalized on the fly.
+    pub gemv_norm: [sys::CUfunction; 3],
+    pub gemv_gateup_norm: [sys::CUfunction; 3],
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
     pub linear_generic: sys::CUfunction,
@@ -66,7 +87,7 @@ pub(crate) struct Kernels {
     pub attention: [sys::CUfunction; 4],
 }
 
-// SAFETY: CUmodule and CUfunction are handles into a context that lives for the whole process
+// SAFETY: CUmodules and CUfunctions are handles into a context that lives for the whole process
 // (driver::Gpu keeps it); the driver allows launching a function from any thread.
 unsafe impl Send for Kernels {}
 // SAFETY: as above; the handles are never mutated after loading.
@@ -77,7 +98,8 @@ impl Kernels {
     pub fn allow_dynamic_smem(&self, optin: usize) -> Result<()> {
         let limit = optin.saturating_sub(2048) as i32;
         let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
-        for f in all.chain(std::iter::once(&self.norm_rows)) {
+        let norm = self.gemv_norm.iter().chain(&self.gemv_gateup_norm);
+        for f in all.chain(norm).chain(std::iter::once(&self.norm_rows)) {
             // SAFETY: `f` is a valid function of the loaded module.
             unsafe {
                 sys::cuFuncSetAttribute(
@@ -110,11 +132,13 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
             .map(|s| s.trim().to_string()),
     };
     let cached = match (&dir, &key) {
-        (Some(dir), Some(key)) => std::fs::read(dir.join(format!("tinyloop-{key}.cubin"))).ok(),
+        (Some(dir), Some(key)) => std::fs::read(dir.join(format!("tinyloop-{key}.cubin")))
+            .ok()
+            .and_then(|bytes| unpack(&bytes)),
         _ => None,
     };
-    if let Some(cubin) = cached {
-        if let Ok(kernels) = load_module(ctx, &cubin) {
+    if let Some(cubins) = cached {
+        if let Ok(kernels) = load_modules(ctx, &cubins) {
             let ms = start.elapsed().as_secs_f64() * 1e3;
             return Ok((kernels, format!("disk cache hit ({ms:.1} ms)")));
         }
@@ -125,15 +149,15 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
             load_nvrtc().err().map(|e| e.to_string()).unwrap_or_default()
         )));
     };
-    let cubin = compile(&arch_name)?;
+    let cubins = compile(&arch_name)?;
     let compiled_ms = start.elapsed().as_secs_f64() * 1e3;
-    let kernels = load_module(ctx, &cubin)?;
+    let kernels = load_modules(ctx, &cubins)?;
     let mut note = format!(
         "compiled by NVRTC {}.{} for {arch_name} in {compiled_ms:.0} ms",
         version.0, version.1
     );
     if let (Some(dir), Some(key)) = (&dir, &key) {
-        match store(dir, key, &cubin, latest.as_deref()) {
+        match store(dir, key, &pack(&cubins), latest.as_deref()) {
             Ok(path) => note.push_str(&format!(", cached in {}", path.display())),
             Err(e) => note.push_str(&format!(", not cached ({e})")),
         }
@@ -190,6 +214,10 @@ fn cache_key(arch: &str, version: (i32, i32)) -> String {
         parts.push(name.as_bytes());
         parts.push(src.as_bytes());
     }
+    for (name, options) in &PROGRAMS {
+        parts.push(name.as_bytes());
+        parts.push(options.as_bytes());
+    }
     for o in &OPTIONS {
         parts.push(o.as_bytes());
     }
@@ -207,7 +235,33 @@ fn cache_key(arch: &str, version: (i32, i32)) -> String {
     )
 }
 
-/// Write the cubin under its key (atomically: temporary file, then rename).
+/// The cache file's bytes: CACHE_MAGIC, then each cubin as a little-endian u64 length and bytes.
+fn pack(cubins: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = CACHE_MAGIC.to_vec();
+    for cubin in cubins {
+        out.extend_from_slice(&(cubin.len() as u64).to_le_bytes());
+        out.extend_from_slice(cubin);
+    }
+    out
+}
+
+/// The cubins of a cache file, or None when it is not a complete one of this format.
+fn unpack(mut bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+    bytes = bytes.strip_prefix(CACHE_MAGIC)?;
+    let mut cubins = Vec::with_capacity(PROGRAMS.len());
+    while !bytes.is_empty() {
+        let (len, rest) = bytes.split_first_chunk::<8>()?;
+        let len = usize::try_from(u64::from_le_bytes(*len)).ok()?;
+        if len > rest.len() {
+            return None;
+        }
+        cubins.push(rest[..len].to_vec());
+        bytes = &rest[len..];
+    }
+    (cubins.len() == PROGRAMS.len()).then_some(cubins)
+}
+
+/// Write the cache file under its key (atomically: temporary file, then rename).
 fn store(dir: &Path, key: &str, cubin: &[u8], latest: Option<&Path>) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("tinyloop-{key}.cubin"));
@@ -326,18 +380,27 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// Compile every source into one cubin for `arch`.
-pub(crate) fn compile(arch: &str) -> Result<Vec<u8>> {
+/// Compile every program for `arch`, in parallel; cubins in PROGRAMS order.
+pub(crate) fn compile(arch: &str) -> Result<Vec<Vec<u8>>> {
     load_nvrtc()?;
+    let defines = extra_defines();
+    PROGRAMS
+        .par_iter()
+        .map(|(file, options)| compile_program(arch, file, options, &defines))
+        .collect()
+}
+
+/// Compile one source file (with `common.cuh` available as a header) for `arch`.
+fn compile_program(
+    arch: &str,
+    file: &str,
+    program_options: &str,
+    defines: &[String],
+) -> Result<Vec<u8>> {
     let fail = |what: &str, e: cudarc::nvrtc::result::NvrtcError| {
         Error::Device(format!("NVRTC {what}: {e}"))
     };
-    let main: String = SOURCES
-        .iter()
-        .filter(|(name, _)| name.ends_with(".cu"))
-        .map(|(name, _)| format!("#include \"{name}\"\n"))
-        .collect();
-    let main = CString::new(main).expect("no NUL in include lines");
+    let main = CString::new(format!("#include \"{file}\"\n")).expect("no NUL in a file name");
     let names: Vec<CString> = SOURCES
         .iter()
         .map(|(n, _)| CString::new(*n).unwrap())
@@ -351,9 +414,15 @@ pub(crate) fn compile(arch: &str) -> Result<Vec<u8>> {
     let mut options: Vec<CString> =
         vec![CString::new(format!("--gpu-architecture={arch}")).unwrap()];
     options.extend(OPTIONS.iter().map(|o| CString::new(*o).unwrap()));
-    for define in extra_defines() {
+    options.extend(
+        program_options
+            .split_whitespace()
+            .map(|o| CString::new(o).unwrap()),
+    );
+    for define in defines {
         options.push(
-            CString::new(define).map_err(|_| Error::invalid("NUL in TINYLOOP_CUDA_DEFINES"))?,
+            CString::new(define.as_str())
+                .map_err(|_| Error::invalid("NUL in TINYLOOP_CUDA_DEFINES"))?,
         );
     }
     let option_ptrs: Vec<*const c_char> = options.iter().map(|c| c.as_ptr()).collect();
@@ -395,7 +464,7 @@ pub(crate) fn compile(arch: &str) -> Result<Vec<u8>> {
             .to_string();
         match compiled.result() {
             Err(e) => Err(Error::Device(format!(
-                "NVRTC compile for {arch} failed ({e}):\n{log}"
+                "NVRTC compile of {file} {program_options} for {arch} failed ({e}):\n{log}"
             ))),
             Ok(()) => {
                 let mut size = 0usize;
@@ -417,17 +486,34 @@ pub(crate) fn compile(arch: &str) -> Result<Vec<u8>> {
     result
 }
 
-fn load_module(ctx: &CudaContext, cubin: &[u8]) -> Result<Kernels> {
+fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
     ctx.bind_to_thread()
         .map_err(|e| device_error("binding the context", e))?;
-    // SAFETY: `cubin` is a complete cubin image (from NVRTC or the cache, which stores exactly
-    // what NVRTC produced); cuModuleLoadData validates it and fails cleanly on a corrupt file.
-    let module = unsafe { result::module::load_data(cubin.as_ptr() as *const _) }
-        .map_err(|e| device_error("loading the kernel module", e))?;
+    let mut modules = Vec::with_capacity(cubins.len());
+    let unload = |modules: &[sys::CUmodule]| {
+        for &m in modules {
+            // SAFETY: each module was loaded below and is not referenced by anything yet.
+            let _ = unsafe { result::module::unload(m) };
+        }
+    };
+    for cubin in cubins {
+        // SAFETY: `cubin` is a complete cubin image (from NVRTC, or a cache file whose framing
+        // was checked); cuModuleLoadData validates it and fails cleanly on a corrupt one.
+        match unsafe { result::module::load_data(cubin.as_ptr() as *const _) } {
+            Ok(m) => modules.push(m),
+            Err(e) => {
+                unload(&modules);
+                return Err(device_error("loading a kernel module", e));
+            }
+        }
+    }
     let get = |name: &str| -> Result<sys::CUfunction> {
-        // SAFETY: `module` is the module loaded above.
-        unsafe { result::module::get_function(module, CString::new(name).unwrap()) }
-            .map_err(|e| device_error(&format!("kernel {name}"), e))
+        let c_name = CString::new(name).unwrap();
+        modules
+            .iter()
+            // SAFETY: every module is one of those loaded above.
+            .find_map(|&m| unsafe { result::module::get_function(m, c_name.clone()) }.ok())
+            .ok_or_else(|| Error::Device(format!("kernel {name} not found in the modules")))
     };
     let by_bits = |prefix: &str| -> Result<[[sys::CUfunction; 3]; 3]> {
         let mut out = [[std::ptr::null_mut(); 3]; 3];
@@ -438,9 +524,16 @@ fn load_module(ctx: &CudaContext, cubin: &[u8]) -> Result<Kernels> {
         }
         Ok(out)
     };
+    let by_bits_one = |prefix: &str| -> Result<[sys::CUfunction; 3]> {
+        let mut out = [std::ptr::null_mut(); 3];
+        for (f, bits) in out.iter_mut().zip(BITS) {
+            *f = get(&format!("{prefix}_b{bits}"))?;
+        }
+        Ok(out)
+    };
     let loaded = (|| {
         Ok(Kernels {
-            module,
+            modules: modules.clone(),
             embed_f32: get("embed_f32")?,
             embed_f16: get("embed_f16")?,
             norm_rows: get("norm_rows")?,
@@ -449,9 +542,12 @@ fn load_module(ctx: &CudaContext, cubin: &[u8]) -> Result<Kernels> {
             to_half: get("to_half")?,
             swiglu: get("swiglu")?,
             argmax_f32: get("argmax_f32")?,
+            sample_token: get("sample_token")?,
             gemv: by_bits("gemv")?,
             gemv_gateup: by_bits("gemv_gateup")?,
-            gemm: [get("gemm_b16")?, get("gemm_b4")?, get("gemm_b2")?],
+            gemv_norm: by_bits_one("gemv_norm")?,
+            gemv_gateup_norm: by_bits_one("gemv_gateup_norm")?,
+            gemm: by_bits_one("gemm")?,
             linear_generic: get("linear_generic")?,
             attention: [
                 get("attention_dj1")?,
@@ -462,17 +558,18 @@ fn load_module(ctx: &CudaContext, cubin: &[u8]) -> Result<Kernels> {
         })
     })();
     if loaded.is_err() {
-        // SAFETY: the module is not referenced by anything else yet.
-        let _ = unsafe { result::module::unload(module) };
+        unload(&modules);
     }
     loaded
 }
 
 impl Drop for Kernels {
     fn drop(&mut self) {
-        // SAFETY: the module is unloaded once; no launch can be in flight because the owning
-        // Gpu is process-wide and dropped only at exit (if ever).
-        let _ = unsafe { result::module::unload(self.module) };
+        for &m in &self.modules {
+            // SAFETY: each module is unloaded once; no launch can be in flight because the
+            // owning Gpu is process-wide and dropped only at exit (if ever).
+            let _ = unsafe { result::module::unload(m) };
+        }
     }
 }
 
@@ -508,8 +605,12 @@ mod tests {
             return;
         }
         for arch in ["sm_80", "sm_90"] {
-            let cubin = compile(arch).unwrap_or_else(|e| panic!("{e}"));
-            assert!(cubin.len() > 1000, "{arch}: cubin of {} bytes", cubin.len());
+            let cubins = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(cubins.len(), PROGRAMS.len());
+            for cubin in &cubins {
+                assert!(cubin.len() > 1000, "{arch}: cubin of {} bytes", cubin.len());
+            }
+            assert_eq!(unpack(&pack(&cubins)), Some(cubins));
         }
     }
 }

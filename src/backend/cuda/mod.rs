@@ -24,9 +24,10 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use half::f16;
 
-use super::{AttentionShape, Backend, HostLinear, StepInput};
+use super::{AttentionShape, Backend, Choice, HostLinear, NormLayer, StepInput};
 use crate::error::{Error, Result};
 use crate::format::DType;
+use crate::generate::sampling::inv_temperature;
 use crate::model::config::{ModelConfig, NormKind};
 use crate::model::weights::Weights;
 use driver::{device_error, launch, Arg, Gpu, KernelLoad};
@@ -39,13 +40,15 @@ const SPLIT_ROWS: usize = 4;
 const MAX_SPLITS: usize = 32;
 /// Largest head dimension the attention kernel takes.
 const MAX_HEAD_DIM: usize = 256;
-/// Step block header in i32 words: start position, rows, argmax result, padding (cuda/common.cuh).
-const STEP_HEADER: usize = 4;
+/// Step block header in i32 words (cuda/common.cuh `STEP_*`): start position, rows, chosen token,
+/// then the sampling parameters and draw; the token ids follow.
+const STEP_HEADER: usize = 8;
 const STEP_RESULT: usize = 2;
+/// Threads of the single block of the sampling kernel (cuda/sample.cu).
+const SAMPLE_THREADS: u32 = 1024;
 
 // Byte offsets in a backend's scratch buffer (zero-initialized; the tickets return to zero after
 // every launch that uses them).
-const SCRATCH_ARGMAX_RESULT: usize = 0;
 const SCRATCH_ARGMAX_TICKET: usize = 4;
 const SCRATCH_ARGMAX_VALUES: usize = 1024;
 const SCRATCH_ARGMAX_INDICES: usize = 2048;
@@ -79,6 +82,8 @@ pub struct CudaBackend {
     /// The first launch failure since the last call that returned a `Result`.
     error: Mutex<Option<String>>,
     graphs: bool,
+    /// Launch kernels with programmatic dependent launch (sm_90+; driver::launch).
+    overlap: bool,
     load: KernelLoad,
 }
 
@@ -135,14 +140,18 @@ pub struct CudaVector {
     len: usize,
 }
 
-/// The step block of one session: header (start position, rows, argmax result) and token ids in
-/// device memory, plus the decode graphs captured for it.
+/// The step block of one session: header (start position, rows, chosen token, sampling
+/// parameters) and token ids in device memory, plus the decode graphs captured for it.
 pub struct CudaStep {
     buf: DevBuf,
     max_rows: usize,
     rows: usize,
+    choice: Choice,
     host: Vec<i32>,
     graphs: Vec<(u64, Graph)>,
+    /// A capture was begun and not ended (only if a panic cut the ops short): the stream is still
+    /// capturing and must be released before anything else runs on it.
+    capturing: bool,
 }
 
 /// f16 K and V caches: `slots × capacity × kv_dim` each.
@@ -175,9 +184,10 @@ impl Drop for Graph {
     }
 }
 
-fn graphs_enabled() -> bool {
+/// Whether the on/off switch `var` is unset or on.
+fn switch_on(var: &str) -> bool {
     !matches!(
-        std::env::var("TINYLOOP_CUDA_GRAPHS").as_deref(),
+        std::env::var(var).as_deref(),
         Ok("0") | Ok("off") | Ok("false")
     )
 }
@@ -218,6 +228,7 @@ impl CudaBackend {
         let partial_offset = (SCRATCH_TICKETS + tickets * 4).div_ceil(256) * 256;
         let bytes = partial_offset + split_floats * 4;
         let scratch = DevBuf::zeroed(&gpu, bytes, "attention scratch")?;
+        let overlap = gpu.arch.0 >= 9 && switch_on("TINYLOOP_CUDA_PDL");
         Ok(CudaBackend {
             gpu,
             stream,
@@ -225,7 +236,8 @@ impl CudaBackend {
             split_floats,
             partial_offset,
             error: Mutex::new(None),
-            graphs: graphs_enabled(),
+            graphs: switch_on("TINYLOOP_CUDA_GRAPHS"),
+            overlap,
             load,
         })
     }
@@ -354,11 +366,10 @@ impl CudaBackend {
         smem: usize,
         args: &[Arg],
     ) {
-        let r = self
-            .gpu
-            .ctx
-            .bind_to_thread()
-            .and_then(|_| launch(f, grid, block, smem as u32, self.stream.cu_stream(), args));
+        let r = self.gpu.ctx.bind_to_thread().and_then(|_| {
+            let stream = self.stream.cu_stream();
+            launch(f, grid, block, smem as u32, stream, args, self.overlap)
+        });
         self.record(what, r);
     }
 
@@ -472,6 +483,93 @@ impl CudaBackend {
             .upload_staged(buf.ptr + offset as u64, bytes, &self.stream)
     }
 
+    /// Attention over `slot`; with `rope`, also RoPE + KV write of the staged row (one row).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        qkv: &DevBuf,
+        step: &CudaStep,
+        rows: usize,
+        heads: AttentionShape,
+        kv: &CudaKv,
+        slot: usize,
+        out: &mut DevBuf,
+        rope: Option<&DevBuf>,
+    ) {
+        let k = &self.gpu.kernels;
+        let hd = heads.head_dim;
+        let Some(dj) = kernels::ATT_DJ.iter().position(|&dj| 32 * dj >= hd) else {
+            self.record(
+                "attention",
+                Err(cudarc::driver::DriverError(
+                    sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                )),
+            );
+            return;
+        };
+        // Split positions across blocks when rows x heads alone would leave SMs idle. The split
+        // count depends only on shapes, never on the position, so a captured graph stays valid.
+        let per_rows = rows * heads.n_heads;
+        let splits = if rows <= SPLIT_ROWS && self.split_floats > 0 {
+            (2 * self.gpu.sms)
+                .div_ceil(per_rows)
+                .min(MAX_SPLITS)
+                .min(kv.capacity.div_ceil(32))
+                .max(1)
+        } else {
+            1
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let partial = self.scratch.ptr + self.partial_offset as u64;
+        let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
+        self.run(
+            "attention",
+            k.attention[dj],
+            (heads.n_heads as u32, rows as u32, splits as u32),
+            128,
+            0,
+            &[
+                Arg::P(qkv.ptr),
+                Arg::P(step.buf.ptr),
+                Arg::usize(heads.n_heads),
+                Arg::usize(heads.n_kv_heads),
+                Arg::usize(hd),
+                Arg::F(scale),
+                Arg::P(kv.k.ptr),
+                Arg::P(kv.v.ptr),
+                Arg::usize(slot),
+                Arg::usize(kv.capacity),
+                Arg::usize(splits),
+                Arg::P(out.ptr),
+                Arg::P(partial),
+                Arg::P(tickets),
+                Arg::P(rope.map_or(0, |r| r.ptr)),
+            ],
+        );
+    }
+
+    /// Whether one row's norm can be fused into the GEMV of `w` (decode).
+    fn fuses_norm(&self, norm: &NormLayer<CudaVector>, rows: usize, w: &CudaLinear) -> bool {
+        rows == 1 && norm.weight.len == w.cols && self.gemv_rows(w, 1).is_some()
+    }
+
+    /// End a capture that a panic left open and drop what it captured, so that the stream runs
+    /// work again; launch errors recorded meanwhile describe work that never ran.
+    fn abandon_capture(&self, step: &mut CudaStep) {
+        step.capturing = false;
+        if self.gpu.bind().is_ok() {
+            // SAFETY: ends the capture graph_begin started on our stream; the partial graph is
+            // destroyed at once and never launched.
+            if let Ok(graph) = unsafe { result::stream::end_capture(self.stream.cu_stream()) } {
+                if !graph.is_null() {
+                    // SAFETY: `graph` came from end_capture and is destroyed once.
+                    let _ = unsafe { result::graph::destroy(graph) };
+                }
+            }
+        }
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
     /// The GEMV row variant (index into GEMV_ROWS) for `rows` rows, if the GEMV path applies.
     fn gemv_rows(&self, w: &CudaLinear, rows: usize) -> Option<usize> {
         let ri = kernels::GEMV_ROWS.iter().position(|&r| r >= rows)?;
@@ -496,6 +594,28 @@ fn choose_tpr(n: usize, units: usize, sms: usize) -> u32 {
         tpr *= 2;
     }
     tpr as u32
+}
+
+/// Whether gate and up can share one fused GEMV launch.
+fn same_shape(gate: &CudaLinear, up: &CudaLinear) -> bool {
+    gate.bits == up.bits
+        && gate.group == up.group
+        && gate.rows == up.rows
+        && gate.cols == up.cols
+        && gate.tpr == up.tpr
+        && up.fast
+}
+
+/// The leading arguments of the normalizing GEMV kernels: the f32 row and the norm layer.
+fn norm_args(norm: &NormLayer<CudaVector>, x: &DevBuf) -> Vec<Arg> {
+    vec![
+        Arg::P(x.ptr),
+        Arg::usize(norm.weight.len),
+        Arg::P(norm.weight.buf.ptr),
+        Arg::P(norm.bias.map_or(0, |b| b.buf.ptr)),
+        Arg::I((norm.kind == NormKind::LayerNorm) as i32),
+        Arg::F(norm.eps),
+    ]
 }
 
 impl Backend for CudaBackend {
@@ -581,8 +701,10 @@ impl Backend for CudaBackend {
             buf: DevBuf::zeroed(&self.gpu, (STEP_HEADER + max_rows) * 4, "step inputs")?,
             max_rows,
             rows: 0,
+            choice: Choice::Greedy,
             host: Vec::with_capacity(STEP_HEADER + max_rows),
             graphs: Vec::new(),
+            capturing: false,
         })
     }
 
@@ -604,6 +726,9 @@ impl Backend for CudaBackend {
     }
 
     fn set_step(&self, step: &mut CudaStep, input: StepInput) -> Result<()> {
+        if step.capturing {
+            self.abandon_capture(step);
+        }
         self.check()?;
         let rows = input.tokens.len();
         if rows > step.max_rows {
@@ -615,7 +740,9 @@ impl Backend for CudaBackend {
         let start = i32::try_from(input.start_pos)
             .map_err(|_| Error::invalid("start position exceeds i32"))?;
         step.host.clear();
-        step.host.extend_from_slice(&[start, rows as i32, 0, 0]);
+        step.host.extend_from_slice(&[start, rows as i32, 0]);
+        step.host.extend_from_slice(&sampling_words(&input.choice));
+        step.choice = input.choice;
         step.host.extend(input.tokens.iter().map(|&t| t as i32));
         step.rows = rows;
         self.gpu.bind()?;
@@ -660,17 +787,8 @@ impl Backend for CudaBackend {
         );
     }
 
-    fn norm(
-        &self,
-        kind: NormKind,
-        eps: f32,
-        x: &DevBuf,
-        rows: usize,
-        weight: &CudaVector,
-        bias: Option<&CudaVector>,
-        out: &mut DevBuf,
-    ) {
-        let d = weight.len;
+    fn norm(&self, norm: &NormLayer<CudaVector>, x: &DevBuf, rows: usize, out: &mut DevBuf) {
+        let d = norm.weight.len;
         // Four values per thread in registers when d is a multiple of 4 (up to 8 per thread).
         let threads = if d.is_multiple_of(4) {
             (d / 4).div_ceil(32).clamp(1, 32) * 32
@@ -686,11 +804,11 @@ impl Backend for CudaBackend {
             &[
                 Arg::P(x.ptr),
                 Arg::usize(d),
-                Arg::I((kind == NormKind::LayerNorm) as i32),
-                Arg::F(eps),
-                Arg::P(weight.buf.ptr),
-                Arg::P(bias.map_or(weight.buf.ptr, |b| b.buf.ptr)),
-                Arg::I(bias.is_some() as i32),
+                Arg::I((norm.kind == NormKind::LayerNorm) as i32),
+                Arg::F(norm.eps),
+                Arg::P(norm.weight.buf.ptr),
+                Arg::P(norm.bias.map_or(norm.weight.buf.ptr, |b| b.buf.ptr)),
+                Arg::I(norm.bias.is_some() as i32),
                 Arg::P(out.ptr),
             ],
         );
@@ -709,6 +827,77 @@ impl Backend for CudaBackend {
         self.matmul(x, rows, w, out.ptr, accumulate);
     }
 
+    fn norm_linear(
+        &self,
+        norm: &NormLayer<CudaVector>,
+        x: &DevBuf,
+        rows: usize,
+        w: &CudaLinear,
+        h: &mut DevBuf,
+        out: &mut DevBuf,
+    ) {
+        if !self.fuses_norm(norm, rows, w) {
+            self.norm(norm, x, rows, h);
+            return self.matmul(h.ptr, rows, w, out.ptr, false);
+        }
+        let k = &self.gpu.kernels;
+        let mut args = norm_args(norm, x);
+        args.extend_from_slice(&[
+            Arg::P(w.ptr()),
+            Arg::P(w.params()),
+            Arg::usize(w.rows),
+            Arg::usize(w.group_arg()),
+            Arg::I(w.tpr as i32),
+            Arg::I(w.streamed.load(Ordering::Relaxed) as i32),
+            Arg::P(out.ptr),
+            Arg::I(0),
+        ]);
+        let grid = (w.rows.div_ceil(256 / w.tpr as usize) as u32, 1, 1);
+        let smem = w.gemv_smem(1);
+        self.run(
+            "gemv_norm",
+            k.gemv_norm[w.bits_index()],
+            grid,
+            256,
+            smem,
+            &args,
+        );
+    }
+
+    fn norm_mlp_gate_up(
+        &self,
+        norm: &NormLayer<CudaVector>,
+        x: &DevBuf,
+        rows: usize,
+        gate: &CudaLinear,
+        up: &CudaLinear,
+        h: &mut DevBuf,
+        scratch: (&mut DevBuf, &mut DevBuf),
+        out: &mut DevBuf,
+    ) {
+        if !(self.fuses_norm(norm, rows, gate) && same_shape(gate, up)) {
+            self.norm(norm, x, rows, h);
+            return self.mlp_gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
+        }
+        let k = &self.gpu.kernels;
+        let mut args = norm_args(norm, x);
+        args.extend_from_slice(&[
+            Arg::P(gate.ptr()),
+            Arg::P(gate.params()),
+            Arg::P(up.ptr()),
+            Arg::P(up.params()),
+            Arg::usize(gate.rows),
+            Arg::usize(gate.group_arg()),
+            Arg::I(gate.tpr as i32),
+            Arg::I(gate.streamed.load(Ordering::Relaxed) as i32),
+            Arg::P(out.ptr),
+        ]);
+        let grid = (gate.rows.div_ceil(256 / gate.tpr as usize) as u32, 1, 1);
+        let smem = gate.gemv_smem(1);
+        let f = k.gemv_gateup_norm[gate.bits_index()];
+        self.run("gemv_gateup_norm", f, grid, 256, smem, &args);
+    }
+
     fn mlp_gate_up(
         &self,
         x: &DevBuf,
@@ -719,12 +908,7 @@ impl Backend for CudaBackend {
         up_buf: &mut DevBuf,
         out: &mut DevBuf,
     ) {
-        let same = gate.bits == up.bits
-            && gate.group == up.group
-            && gate.rows == up.rows
-            && gate.cols == up.cols
-            && gate.tpr == up.tpr;
-        match self.gemv_rows(gate, rows).filter(|_| same && up.fast) {
+        match self.gemv_rows(gate, rows).filter(|_| same_shape(gate, up)) {
             Some(ri) => {
                 let r = kernels::GEMV_ROWS[ri];
                 let rpb = 256 / gate.tpr as usize;
@@ -803,6 +987,25 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn rope_attention(
+        &self,
+        qkv: &mut DevBuf,
+        step: &CudaStep,
+        rows: usize,
+        heads: AttentionShape,
+        rope: &DevBuf,
+        kv: &mut CudaKv,
+        slot: usize,
+        out: &mut DevBuf,
+    ) {
+        // One row: the attention kernel rotates q and the new K itself and writes the cache.
+        if rows == 1 {
+            return self.attend(qkv, step, rows, heads, kv, slot, out, Some(rope));
+        }
+        self.rope_store_kv(qkv, step, rows, heads, rope, kv, slot);
+        self.attention(qkv, step, rows, heads, kv, slot, out);
+    }
+
     fn attention(
         &self,
         qkv: &DevBuf,
@@ -813,55 +1016,7 @@ impl Backend for CudaBackend {
         slot: usize,
         out: &mut DevBuf,
     ) {
-        let k = &self.gpu.kernels;
-        let hd = heads.head_dim;
-        let Some(dj) = kernels::ATT_DJ.iter().position(|&dj| 32 * dj >= hd) else {
-            self.record(
-                "attention",
-                Err(cudarc::driver::DriverError(
-                    sys::CUresult::CUDA_ERROR_INVALID_VALUE,
-                )),
-            );
-            return;
-        };
-        // Split positions across blocks when rows x heads alone would leave SMs idle. The split
-        // count depends only on shapes, never on the position, so a captured graph stays valid.
-        let per_rows = rows * heads.n_heads;
-        let splits = if rows <= SPLIT_ROWS && self.split_floats > 0 {
-            (2 * self.gpu.sms)
-                .div_ceil(per_rows)
-                .min(MAX_SPLITS)
-                .min(kv.capacity.div_ceil(32))
-                .max(1)
-        } else {
-            1
-        };
-        let scale = 1.0 / (hd as f32).sqrt();
-        let partial = self.scratch.ptr + self.partial_offset as u64;
-        let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
-        self.run(
-            "attention",
-            k.attention[dj],
-            (heads.n_heads as u32, rows as u32, splits as u32),
-            128,
-            0,
-            &[
-                Arg::P(qkv.ptr),
-                Arg::P(step.buf.ptr),
-                Arg::usize(heads.n_heads),
-                Arg::usize(heads.n_kv_heads),
-                Arg::usize(hd),
-                Arg::F(scale),
-                Arg::P(kv.k.ptr),
-                Arg::P(kv.v.ptr),
-                Arg::usize(slot),
-                Arg::usize(kv.capacity),
-                Arg::usize(splits),
-                Arg::P(out.ptr),
-                Arg::P(partial),
-                Arg::P(tickets),
-            ],
-        );
+        self.attend(qkv, step, rows, heads, kv, slot, out, None);
     }
 
     fn add(&self, acc: &mut DevBuf, x: &DevBuf, len: usize) {
@@ -920,18 +1075,6 @@ impl Backend for CudaBackend {
         self.sync()
     }
 
-    fn argmax(&self, x: &DevBuf, offset: usize, len: usize) -> Result<u32> {
-        let slot = self.scratch.ptr + SCRATCH_ARGMAX_RESULT as u64;
-        self.argmax_into(x.ptr + (offset * 4) as u64, len, slot);
-        let mut out = [0i32; 1];
-        self.gpu.bind()?;
-        // SAFETY: reads the 4-byte argmax result slot of `scratch` into `out`.
-        unsafe { result::memcpy_dtoh_async(&mut out, slot, self.stream.cu_stream()) }
-            .map_err(|e| device_error("copying to the host", e))?;
-        self.sync()?;
-        Ok(out[0] as u32)
-    }
-
     fn graph_replay(&self, step: &mut CudaStep, key: u64) -> Result<bool> {
         let Some((_, graph)) = step.graphs.iter().find(|(k, _)| *k == key) else {
             return Ok(false);
@@ -944,7 +1087,7 @@ impl Backend for CudaBackend {
         Ok(true)
     }
 
-    fn graph_begin(&self, _step: &mut CudaStep, _key: u64) -> Result<bool> {
+    fn graph_begin(&self, step: &mut CudaStep, _key: u64) -> Result<bool> {
         if !self.graphs {
             return Ok(false);
         }
@@ -959,6 +1102,7 @@ impl Backend for CudaBackend {
             )
         }
         .map_err(|e| device_error("beginning graph capture", e))?;
+        step.capturing = true;
         Ok(true)
     }
 
@@ -966,6 +1110,7 @@ impl Backend for CudaBackend {
         self.gpu.bind()?;
         // SAFETY: ends the capture begun by graph_begin on the same stream.
         let ended = unsafe { result::stream::end_capture(self.stream.cu_stream()) };
+        step.capturing = false;
         let launch_error = self.check();
         let graph = ended.map_err(|e| device_error("ending graph capture", e))?;
         // SAFETY: instantiates the graph captured above; on failure the graph is destroyed here,
@@ -995,18 +1140,22 @@ impl Backend for CudaBackend {
         step.graphs.clear();
     }
 
-    fn argmax_enqueue(&self, x: &DevBuf, offset: usize, len: usize, step: &mut CudaStep) {
+    fn choose(&self, logits: &DevBuf, len: usize, step: &mut CudaStep) {
         let result = step.buf.ptr + (STEP_RESULT * 4) as u64;
-        self.argmax_into(x.ptr + (offset * 4) as u64, len, result);
+        match step.choice {
+            Choice::Greedy => self.argmax_into(logits.ptr, len, result),
+            Choice::Sample { .. } => self.run(
+                "sample_token",
+                self.gpu.kernels.sample_token,
+                (1, 1, 1),
+                SAMPLE_THREADS,
+                0,
+                &[Arg::P(logits.ptr), Arg::usize(len), Arg::P(step.buf.ptr)],
+            ),
+        }
     }
 
-    fn argmax_result(
-        &self,
-        _x: &DevBuf,
-        _offset: usize,
-        _len: usize,
-        step: &CudaStep,
-    ) -> Result<u32> {
+    fn chosen_token(&self, step: &CudaStep) -> Result<u32> {
         let mut out = [0i32; 1];
         self.gpu.bind()?;
         // SAFETY: reads the 4-byte result slot of the step block into `out`.
@@ -1020,6 +1169,20 @@ impl Backend for CudaBackend {
         .map_err(|e| device_error("copying to the host", e))?;
         self.sync()?;
         Ok(out[0] as u32)
+    }
+}
+
+/// The sampling words of the step header (`STEP_TOP_K` .. `STEP_DRAW_HI`); zero when greedy.
+fn sampling_words(choice: &Choice) -> [i32; 5] {
+    match choice {
+        Choice::Greedy => [0; 5],
+        Choice::Sample { params, draw } => [
+            params.top_k.min(i32::MAX as usize) as i32,
+            inv_temperature(params).to_bits() as i32,
+            params.top_p.to_bits() as i32,
+            *draw as u32 as i32,
+            (*draw >> 32) as u32 as i32,
+        ],
     }
 }
 
