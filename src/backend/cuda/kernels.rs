@@ -48,6 +48,14 @@ const PROGRAMS: [(&str, &str); 7] = [
     ("sample.cu", ""),
 ];
 
+// Indices into PROGRAMS of the modules that hold each kernel family.
+const ELEMENTWISE: usize = 0;
+/// The GEMV program of BITS[i] is GEMV + i (the generic fallback is with width 16).
+const GEMV: usize = 1;
+const GEMM: usize = 4;
+const ATTENTION: usize = 5;
+const SAMPLE: usize = 6;
+
 /// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
 const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
 
@@ -507,53 +515,50 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             }
         }
     }
-    let get = |name: &str| -> Result<sys::CUfunction> {
-        let c_name = CString::new(name).unwrap();
-        modules
-            .iter()
-            // SAFETY: every module is one of those loaded above.
-            .find_map(|&m| unsafe { result::module::get_function(m, c_name.clone()) }.ok())
-            .ok_or_else(|| Error::Device(format!("kernel {name} not found in the modules")))
+    let get = |program: usize, name: &str| -> Result<sys::CUfunction> {
+        // SAFETY: the module of `program` is one of those loaded above.
+        unsafe { result::module::get_function(modules[program], CString::new(name).unwrap()) }
+            .map_err(|e| device_error(&format!("kernel {name}"), e))
     };
     let by_bits = |prefix: &str| -> Result<[[sys::CUfunction; 3]; 3]> {
         let mut out = [[std::ptr::null_mut(); 3]; 3];
         for (i, bits) in BITS.iter().enumerate() {
             for (j, rows) in GEMV_ROWS.iter().enumerate() {
-                out[i][j] = get(&format!("{prefix}_b{bits}_r{rows}"))?;
+                out[i][j] = get(GEMV + i, &format!("{prefix}_b{bits}_r{rows}"))?;
             }
         }
         Ok(out)
     };
-    let by_bits_one = |prefix: &str| -> Result<[sys::CUfunction; 3]> {
+    let by_bits_one = |program: &dyn Fn(usize) -> usize, prefix: &str| {
         let mut out = [std::ptr::null_mut(); 3];
-        for (f, bits) in out.iter_mut().zip(BITS) {
-            *f = get(&format!("{prefix}_b{bits}"))?;
+        for (i, bits) in BITS.iter().enumerate() {
+            out[i] = get(program(i), &format!("{prefix}_b{bits}"))?;
         }
         Ok(out)
     };
     let loaded = (|| {
         Ok(Kernels {
             modules: modules.clone(),
-            embed_f32: get("embed_f32")?,
-            embed_f16: get("embed_f16")?,
-            norm_rows: get("norm_rows")?,
-            rope_kv: get("rope_kv")?,
-            add_f32: get("add_f32")?,
-            to_half: get("to_half")?,
-            swiglu: get("swiglu")?,
-            argmax_f32: get("argmax_f32")?,
-            sample_token: get("sample_token")?,
+            embed_f32: get(ELEMENTWISE, "embed_f32")?,
+            embed_f16: get(ELEMENTWISE, "embed_f16")?,
+            norm_rows: get(ELEMENTWISE, "norm_rows")?,
+            rope_kv: get(ELEMENTWISE, "rope_kv")?,
+            add_f32: get(ELEMENTWISE, "add_f32")?,
+            to_half: get(ELEMENTWISE, "to_half")?,
+            swiglu: get(ELEMENTWISE, "swiglu")?,
+            argmax_f32: get(ELEMENTWISE, "argmax_f32")?,
+            sample_token: get(SAMPLE, "sample_token")?,
             gemv: by_bits("gemv")?,
             gemv_gateup: by_bits("gemv_gateup")?,
-            gemv_norm: by_bits_one("gemv_norm")?,
-            gemv_gateup_norm: by_bits_one("gemv_gateup_norm")?,
-            gemm: by_bits_one("gemm")?,
-            linear_generic: get("linear_generic")?,
+            gemv_norm: by_bits_one(&|i| GEMV + i, "gemv_norm")?,
+            gemv_gateup_norm: by_bits_one(&|i| GEMV + i, "gemv_gateup_norm")?,
+            gemm: by_bits_one(&|_| GEMM, "gemm")?,
+            linear_generic: get(GEMV, "linear_generic")?,
             attention: [
-                get("attention_dj1")?,
-                get("attention_dj2")?,
-                get("attention_dj4")?,
-                get("attention_dj8")?,
+                get(ATTENTION, "attention_dj1")?,
+                get(ATTENTION, "attention_dj2")?,
+                get(ATTENTION, "attention_dj4")?,
+                get(ATTENTION, "attention_dj8")?,
             ],
         })
     })();
@@ -576,6 +581,20 @@ impl Drop for Kernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn program_indices_name_their_sources() {
+        assert_eq!(PROGRAMS[ELEMENTWISE].0, "elementwise.cu");
+        for (i, bits) in BITS.iter().enumerate() {
+            assert_eq!(
+                PROGRAMS[GEMV + i],
+                ("gemv.cu", &*format!("-DGEMV_BITS={bits}"))
+            );
+        }
+        assert_eq!(PROGRAMS[GEMM].0, "gemm.cu");
+        assert_eq!(PROGRAMS[ATTENTION].0, "attention.cu");
+        assert_eq!(PROGRAMS[SAMPLE].0, "sample.cu");
+    }
 
     #[test]
     fn key_is_stable_and_depends_on_arch_and_version() {
