@@ -17,7 +17,7 @@
 
 #define GEMV_THREADS 256
 #ifndef GEMV_UNROLL
-#define GEMV_UNROLL 4 // units per lane and batch (plain GEMV; half of it for gate + up)
+#define GEMV_UNROLL 8 // units per lane and batch (plain GEMV; half of it for gate + up)
 #endif
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 1 // blocks per SM the register allocation must allow (launch bounds)
