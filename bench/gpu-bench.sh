@@ -3,9 +3,9 @@
 #   bench/gpu-bench.sh BUNDLE OUT [BITS...]     (default BITS: 4)
 # Synthesizes tl-407m (seed 1), then measures with the CLI: load with a cold kernel cache
 # (NVRTC compile) and warm (disk cache hit, warm page cache), decode ms/token at L = 8 (prompt
-# 128), prefill tokens/s at 512 and 2048 prompt tokens, decode without CUDA graphs and without
-# programmatic dependent launch, and the PyTorch baseline (eager FP16, torch.compile
-# reduce-overhead) on the same weights.
+# 128), prefill tokens/s at 512 and 2048 prompt tokens, decode with device-side sampling,
+# without CUDA graphs and without programmatic dependent launch, and the PyTorch baseline
+# (eager FP16, torch.compile reduce-overhead) on the same weights.
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -44,6 +44,9 @@ model="$work/tl-407m-b${bits_list[0]}.tinyloop"
 step "decode without CUDA graphs"
 json env TINYLOOP_CUDA_GRAPHS=0 "$tl" "$model" bench --device cuda --json --prompt-len 128 --gen-len 128 --repeats 3 >"$out/decode-nographs.json"
 cat "$out/decode-nographs.json"
+step "decode, sampled on the device (temperature 0.8, top-k 40, top-p 0.95)"
+json "$tl" "$model" bench --device cuda --json --prompt-len 128 --gen-len 128 --repeats 3 --temperature 0.8 --top-k 40 --top-p 0.95 >"$out/decode-sampled.json"
+cat "$out/decode-sampled.json"
 step "decode without programmatic dependent launch"
 json env TINYLOOP_CUDA_PDL=0 "$tl" "$model" bench --device cuda --json --prompt-len 128 --gen-len 128 --repeats 3 >"$out/decode-nopdl.json"
 cat "$out/decode-nopdl.json"

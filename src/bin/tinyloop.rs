@@ -69,6 +69,13 @@ struct GenerateArgs {
     tokens: Option<Vec<i64>>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// How tokens are chosen (docs/ABI.md "Sampling").
+#[derive(Args)]
+struct SamplingArgs {
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
@@ -79,6 +86,17 @@ struct GenerateArgs {
     top_p: f32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -118,6 +136,8 @@ struct BenchArgs {
     /// Timed repetitions; medians are reported.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
 }
 
 #[derive(Parser)]
@@ -371,12 +391,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         loops: args.common.loops,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling: args.sampling.params(),
         stop_tokens: Vec::new(),
     };
     let mut session = model.new_session()?;
@@ -504,6 +519,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     let params = GenerateParams {
         max_tokens: args.gen_len,
         loops: common.loops,
+        sampling: args.sampling.params(),
         ..GenerateParams::default()
     };
     // One generation yields both numbers: the first token arrives after the prefill (and one
@@ -552,6 +568,9 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "kernels": model.info().kernels,
         "kernel_ms": model.info().kernel_ms,
         "repeats": args.repeats,
+        "temperature": args.sampling.temperature,
+        "top_k": args.sampling.top_k,
+        "top_p": args.sampling.top_p,
     });
     if common.json {
         println!("{report}");
