@@ -641,6 +641,32 @@ fn cuda_sampling_matches_the_host_sampler() {
     ));
 }
 
+/// A capture that was begun and never ended (a panic between `graph_begin` and `graph_end`) is
+/// abandoned by the next `set_step`, after which the session runs work again.
+#[test]
+fn cuda_unfinished_capture_is_abandoned() {
+    if !cuda_or_skip("cuda_unfinished_capture_is_abandoned") {
+        return;
+    }
+    let gpu = gpu();
+    let mut step = gpu.alloc_step(1).unwrap();
+    let input = StepInput {
+        tokens: &[0],
+        start_pos: 0,
+        choice: Choice::Greedy,
+    };
+    gpu.set_step(&mut step, input).unwrap();
+    let capturing = gpu.graph_begin(&mut step, 1).unwrap();
+    gpu.set_step(&mut step, input).unwrap();
+    let x = float_buf(&gpu, &[1.0, 3.0, 2.0]);
+    gpu.choose(&x, 3, &mut step);
+    assert_eq!(
+        gpu.chosen_token(&step).unwrap(),
+        1,
+        "capturing: {capturing}"
+    );
+}
+
 fn gate_up_on<B: Probe>(
     b: &B,
     gate: &HostLinear,

@@ -607,8 +607,8 @@ fn same_shape(gate: &CudaLinear, up: &CudaLinear) -> bool {
 }
 
 /// The leading arguments of the normalizing GEMV kernels: the f32 row and the norm layer.
-fn norm_args(norm: &NormLayer<CudaVector>, x: &DevBuf) -> Vec<Arg> {
-    vec![
+fn norm_args(norm: &NormLayer<CudaVector>, x: &DevBuf) -> [Arg; 6] {
+    [
         Arg::P(x.ptr),
         Arg::usize(norm.weight.len),
         Arg::P(norm.weight.buf.ptr),
@@ -841,8 +841,14 @@ impl Backend for CudaBackend {
             return self.matmul(h.ptr, rows, w, out.ptr, false);
         }
         let k = &self.gpu.kernels;
-        let mut args = norm_args(norm, x);
-        args.extend_from_slice(&[
+        let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
+        let args = [
+            a0,
+            a1,
+            a2,
+            a3,
+            a4,
+            a5,
             Arg::P(w.ptr()),
             Arg::P(w.params()),
             Arg::usize(w.rows),
@@ -851,7 +857,7 @@ impl Backend for CudaBackend {
             Arg::I(w.streamed.load(Ordering::Relaxed) as i32),
             Arg::P(out.ptr),
             Arg::I(0),
-        ]);
+        ];
         let grid = (w.rows.div_ceil(256 / w.tpr as usize) as u32, 1, 1);
         let smem = w.gemv_smem(1);
         self.run(
@@ -880,8 +886,14 @@ impl Backend for CudaBackend {
             return self.mlp_gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
         }
         let k = &self.gpu.kernels;
-        let mut args = norm_args(norm, x);
-        args.extend_from_slice(&[
+        let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
+        let args = [
+            a0,
+            a1,
+            a2,
+            a3,
+            a4,
+            a5,
             Arg::P(gate.ptr()),
             Arg::P(gate.params()),
             Arg::P(up.ptr()),
@@ -891,7 +903,7 @@ impl Backend for CudaBackend {
             Arg::I(gate.tpr as i32),
             Arg::I(gate.streamed.load(Ordering::Relaxed) as i32),
             Arg::P(out.ptr),
-        ]);
+        ];
         let grid = (gate.rows.div_ceil(256 / gate.tpr as usize) as u32, 1, 1);
         let smem = gate.gemv_smem(1);
         let f = k.gemv_gateup_norm[gate.bits_index()];
