@@ -23,8 +23,8 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
 }
 
-/// Feed `tokens` at positions `start_pos..` in steps of at most `buf.max_rows` rows; the last
-/// step carries `choice`. Returns the row index of the last token within the final step.
+/// Feed `tokens` from position 0 in steps of at most `buf.max_rows` rows; the last step carries
+/// `choice`. Returns the row index of the last token within the final step.
 fn prefill<B: Backend>(
     backend: &B,
     w: &Weights<B>,

@@ -182,7 +182,7 @@ pub fn decode_step<B: Backend>(
     step_ops(backend, w, buf, 1, loops);
     final_norm(backend, w, buf, 1);
     logits(backend, w, buf, 0, 1);
-    backend.choose(&buf.logits, w.config.vocab_size, &mut buf.step);
+    choose(backend, w, buf);
     if capturing {
         backend.graph_end(&mut buf.step, key)?;
     }
