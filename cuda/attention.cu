@@ -1,4 +1,6 @@
-// Causal attention over the f16 KV cache, for prefill and decode.
+// Causal attention over the KV cache, for prefill and decode: over f16 entries (the fp16 mode,
+// and the K and V that the h modes recompute), or over quantized entries read through the
+// cache layout (kv.cuh: INT8, delta chains, age tiers), summed over the application's chain.
 //
 // grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..start_pos + r, read
 // from the step block in device memory (so a captured decode graph replays at any position).
@@ -15,7 +17,7 @@
 // for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
 // then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
 // f16 once, after the final division, like the CPU reference.
-#include "common.cuh"
+#include "kv.cuh"
 
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
@@ -58,16 +60,51 @@ DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
     }
 }
 
-template <int DJ> // head dimensions per lane: hd <= 32 * DJ
+// Where a quantized launch reads its entries: the cache bytes, their layout, and the chain of
+// slots whose entries sum to the application's K and V.
+struct QuantKv {
+    u8* base;
+    KvDesc d;
+    int first, count, stride;
+};
+
+// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes.
+DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
+    float dot = 0.0f;
+    if (vec && codes == KV_I8) {
+        for (int c = 0; c < hd / 16; c++) {
+            const uint4 w = *(const uint4*)(k + 16 * c);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int b = 0; b < 16; b++)
+                dot = fmaf(sq[16 * c + b], (float)(signed char)(words[b >> 2] >> (8 * (b & 3))), dot);
+        }
+    } else if (vec && codes == KV_I4) {
+        for (int c = 0; c < hd / 32; c++) {
+            const uint4 w = *(const uint4*)(k + 16 * c);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int b = 0; b < 32; b++)
+                dot = fmaf(sq[32 * c + b], (float)((int)((words[b >> 3] >> (4 * (b & 7))) & 15u) - 8),
+                           dot);
+        }
+    } else {
+        for (int i = 0; i < hd; i++) dot = fmaf(sq[i], kv_code(k, i, codes), dot);
+    }
+    return dot;
+}
+
+template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
 DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
                    int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
-                   const f16_t* __restrict__ vc, int slot, int capacity, int splits,
-                   f16_t* __restrict__ out, float* partial, int* tickets,
-                   const float* __restrict__ rope) {
+                   const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits, f16_t* __restrict__ out, float* partial, int* tickets,
+                   const float* __restrict__ rope, const QuantKv& qk) {
     __shared__ __align__(16) float sq[ATT_MAX_HD];
     __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * DJ];
+    __shared__ KvTierDesc st[3];
+    if (Q && threadIdx.x < 3) st[threadIdx.x] = qk.d.tier[threadIdx.x];
     kernel_start();
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -77,7 +114,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     const int t_begin = s * per;
     const int t_end = min(total, t_begin + per);
     const int kvh = h / (n_heads / n_kv_heads);
-    const size_t base = (size_t)slot * capacity * kv_dim + (size_t)kvh * hd;
+    const size_t base = (size_t)slot * slot_stride + (size_t)kvh * hd;
     const f16_t* K = kc + base;
     const f16_t* V = vc + base;
     const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
@@ -123,7 +160,19 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
-        if (t < t_end) {
+        if (Q && t < t_end) {
+            const KvTierDesc& tr = st[kv_tier_of(t, step)];
+            const int gb = kv_group_bytes((int)tr.codes, hd);
+            float dot = 0.0f;
+            for (int j = 0; j < qk.count; j++) {
+                const int sl = qk.first + j * qk.stride;
+                const u8* k = kv_codes(qk.base, qk.d, tr, 0, sl, t) + (size_t)kvh * gb;
+                const float ks = kv_scale_value(kv_scales(qk.base, qk.d, tr, 0, sl, t), kvh,
+                                                (int)tr.scales);
+                dot = fmaf(ks, dot_codes(sq, k, hd, (int)tr.codes, (hd & 31) == 0), dot);
+            }
+            score = __fmul_rn(dot, scale);
+        } else if (!Q && t < t_end) {
             const f16_t* k = t == own ? sk : K + (size_t)t * kv_dim;
             float dot = 0.0f;
             if (vec) {
@@ -159,7 +208,36 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         for (int j = 0; j < DJ; j++) acc[j] *= corr;
         const int count = min(32, t_end - t0);
         // p * v over the chunk's positions, eight positions' loads in flight at a time.
-        for (int j0 = 0; j0 < count; j0 += 8) {
+        for (int j0 = 0; Q && j0 < count; j0 += 8) {
+            float v[8][DJ];
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const int tv = t0 + j0 + jj;
+                const KvTierDesc& tr = st[kv_tier_of(min(tv, t_end - 1), step)];
+#pragma unroll
+                for (int j = 0; j < DJ; j++) v[jj][j] = 0.0f;
+                for (int c = 0; c < qk.count && j0 + jj < count; c++) {
+                    const int sl = qk.first + c * qk.stride;
+                    const u8* vr = kv_codes(qk.base, qk.d, tr, 1, sl, tv);
+                    const float vs = kv_scale_value(kv_scales(qk.base, qk.d, tr, 1, sl, tv), kvh,
+                                                    (int)tr.scales);
+#pragma unroll
+                    for (int j = 0; j < DJ; j++) {
+                        const int d = lane + 32 * j;
+                        if (d < hd) v[jj][j] += vs * kv_code(vr, kvh * hd + d, (int)tr.codes);
+                    }
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; jj++) {
+                const float pj = __shfl_sync(0xffffffffu, p, (j0 + jj) & 31);
+                if (j0 + jj < count) {
+#pragma unroll
+                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, v[jj][j], acc[j]);
+                }
+            }
+        }
+        for (int j0 = 0; !Q && j0 < count; j0 += 8) {
             f16_t v[8][DJ];
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
@@ -228,13 +306,22 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     if (threadIdx.x == 0) *ticket = 0;
 }
 
+// grid (n_heads, rows, splits), ATT_THREADS threads. f16 entries of `slot` (K at kc + slot *
+// slot_stride, V likewise), positions kv_dim apart.
 #define ATTENTION_KERNEL(DJ)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        const f16_t* kc, const f16_t* vc, int slot, int capacity, int splits, f16_t* out,          \
+        const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, f16_t* out, \
         float* partial, int* tickets, const float* rope) {                                         \
-        attention<DJ>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, capacity, splits,   \
-                      out, partial, tickets, rope);                                                \
+        const QuantKv none = {};                                                                   \
+        attention<DJ, false>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, slot_stride, \
+                             splits, out, partial, tickets, rope, none);                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_q_dj##DJ(                  \
+        const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
+        int splits, f16_t* out, float* partial, int* tickets, const QuantKv qk) {                  \
+        attention<DJ, true>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr, 0, 0,     \
+                            splits, out, partial, tickets, nullptr, qk);                           \
     }
 
 ATTENTION_KERNEL(1)

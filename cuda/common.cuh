@@ -25,7 +25,9 @@ typedef unsigned long long u64;
 #define STEP_TOP_P 5     // sampling: nucleus mass, f32 bits
 #define STEP_DRAW_LO 6   // sampling: 53-bit uniform draw, low word
 #define STEP_DRAW_HI 7   //   and high word
-#define STEP_TOKENS 8
+#define STEP_MID_END 8   // KV age tiers: positions below this are in the INT4 tier (src/kv)
+#define STEP_OLD_END 9   //   and below this in the FP8-scale tier
+#define STEP_TOKENS 10
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -124,6 +126,18 @@ DEV float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// Maximum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread
+// gets it. `scratch` holds 32 floats.
+DEV float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(t);
 }
 
 // Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread gets

@@ -125,12 +125,13 @@ extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int lay
 }
 
 // Rotate the Q and K heads of each row at its position (pairs (i, i + hd/2)), then write K and V,
-// rounded to f16, into `slot` of the cache. grid (rows, ceil(work / blockDim.x)): one pair or one
-// V element per thread, so every thread waits for one round of loads only.
+// rounded to f16, into `slot` of the cache (K at kc + slot * slot_stride, V likewise).
+// grid (rows, ceil(work / blockDim.x)): one pair or one V element per thread, so every thread
+// waits for one round of loads only.
 extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restrict__ step,
                                    int n_heads, int n_kv_heads, int hd,
                                    const float* __restrict__ rope, f16_t* __restrict__ kc,
-                                   f16_t* __restrict__ vc, int slot, int capacity) {
+                                   f16_t* __restrict__ vc, int slot, long long slot_stride) {
     kernel_start();
     const int r = blockIdx.x;
     const int p = blockIdx.y * blockDim.x + threadIdx.x;
@@ -138,7 +139,7 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
     const int half = hd / 2;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
-    const size_t at = ((size_t)slot * capacity + pos) * kv_dim;
+    const size_t at = (size_t)slot * slot_stride + (size_t)pos * kv_dim;
     const int pairs = (n_heads + n_kv_heads) * half;
     if (p < pairs) {
         const int head = p / half, i = p - head * half;
@@ -159,13 +160,6 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
         const int i = p - pairs;
         vc[at + i] = f32_to_f16(row[q_dim + kv_dim + i]);
     }
-}
-
-// acc += x over `len` values.
-extern "C" __global__ void add_f32(float* __restrict__ acc, const float* __restrict__ x, int len) {
-    kernel_start();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
-        acc[i] = __fadd_rn(acc[i], x[i]);
 }
 
 // out = f16(x) over `len` values.

@@ -47,8 +47,8 @@ DEV u32 q2_pair(u32 w, int p) {
 
 template <int BITS>
 DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
-              const f16_t* __restrict__ sz, int N, int group, int stream_hint,
-              float* __restrict__ out, int accumulate) {
+              const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N, int group,
+              int stream_hint, float* __restrict__ out, int accumulate) {
     __shared__ __align__(16) u32 As[BM][SROW];
     __shared__ __align__(16) u32 Bs[BN][SROW];
     kernel_start();
@@ -60,7 +60,6 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const size_t row_bytes = (size_t)K * BITS / 8;
     const int G = Q ? K / group : 1;
-    const f16_t* zeros = sz + (size_t)N * G;
     const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
 
     float acc[2][4][4];
@@ -208,12 +207,13 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
     }
 }
 
-// grid (ceil(N / 64), ceil(M / 64)), 128 threads.
+// grid (ceil(N / 64), ceil(M / 64)), 128 threads. `sz` holds the scales [N][K / group] and
+// `zeros` the zeros (passed apart so that a launch can cover a range of a weight's rows).
 #define GEMM_KERNEL(B)                                                                             \
     extern "C" __global__ void __launch_bounds__(128)                                              \
-        gemm_b##B(const f16_t* X, int M, int K, const u8* W, const f16_t* sz, int N, int group,    \
-                  int stream, float* out, int accumulate) {                                        \
-        gemm<B>(X, M, K, W, sz, N, group, stream, out, accumulate);                                \
+        gemm_b##B(const f16_t* X, int M, int K, const u8* W, const f16_t* sz, const f16_t* zeros,  \
+                  int N, int group, int stream, float* out, int accumulate) {                      \
+        gemm<B>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate);                         \
     }
 
 GEMM_KERNEL(16)

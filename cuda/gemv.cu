@@ -385,11 +385,11 @@ GEMV_NORM_KERNELS(2)
 #if GEMV_ALL || GEMV_BITS == 16
 // Fallback for shapes the fast kernels do not take (K not a multiple of 32, group sizes not a
 // multiple of 32): one warp per output, dequantized elementwise exactly like the CPU reference.
-// grid (ceil(N / 8), M), 256 threads.
+// `sz` holds the scales [N][K / group] and `zeros` the zeros. grid (ceil(N / 8), M), 256 threads.
 extern "C" __global__ void linear_generic(const f16_t* __restrict__ X, int M, int K,
                                           const u8* __restrict__ W, const f16_t* __restrict__ sz,
-                                          int bits, int N, int group, float* __restrict__ out,
-                                          int accumulate) {
+                                          const f16_t* __restrict__ zero_rows, int bits, int N,
+                                          int group, float* __restrict__ out, int accumulate) {
     kernel_start();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n = blockIdx.x * 8 + warp, m = blockIdx.y;
@@ -404,7 +404,7 @@ extern "C" __global__ void linear_generic(const f16_t* __restrict__ X, int M, in
         const int G = K / group, per = 8 / bits, mask = (1 << bits) - 1;
         const u8* codes = W + (size_t)n * row_bytes;
         const f16_t* scales = sz + (size_t)n * G;
-        const f16_t* zeros = sz + (size_t)N * G + (size_t)n * G;
+        const f16_t* zeros = zero_rows + (size_t)n * G;
         for (int k = lane; k < K; k += 32) {
             const u32 q = (codes[k / per] >> ((k % per) * bits)) & mask;
             const int gi = k / group;

@@ -19,6 +19,7 @@ pub mod error;
 pub mod ffi;
 pub mod format;
 pub mod generate;
+pub mod kv;
 pub mod model;
 
 use std::path::Path;
@@ -30,6 +31,7 @@ use backend::cpu::CpuBackend;
 use backend::cuda::CudaBackend;
 use backend::Backend;
 use generate::GenerateRequest;
+use kv::KvLayout;
 use model::forward::Buffers;
 use model::weights::Weights;
 
@@ -37,6 +39,7 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;
 pub use generate::sampling::SamplingParams;
+pub use kv::{AgeTiers, KvMode};
 pub use model::config::{HeadKind, ModelConfig, NormKind};
 
 /// Options fixed when a model is opened.
@@ -51,6 +54,8 @@ pub struct ModelOptions {
     pub device: Option<Device>,
     /// Largest loop count a call may ask for (bounds the KV cache).
     pub max_loops: usize,
+    /// What the KV cache stores; `None` uses the environment's default ([`KvMode::from_env`]).
+    pub kv_mode: Option<KvMode>,
     /// Print the load log on stderr.
     pub log: bool,
 }
@@ -62,6 +67,7 @@ impl Default for ModelOptions {
             prefill_chunk: 0,
             device: None,
             max_loops: 64,
+            kv_mode: None,
             log: true,
         }
     }
@@ -132,6 +138,8 @@ struct CudaSession {
 struct Shared {
     engine: Engine,
     options: ModelOptions,
+    /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
+    kv_layout: KvLayout,
     info: ModelInfo,
     /// Bytes held by live sessions (buffers and KV caches).
     session_bytes: AtomicUsize,
@@ -190,6 +198,11 @@ impl Model {
             (file, choice)
         });
         let (file, choice) = (file?, choice?);
+        let kv_mode = match options.kv_mode {
+            Some(mode) => mode,
+            None => KvMode::from_env()?,
+        };
+        let kv_layout = KvLayout::new(&file.config, kv_mode, options.max_seq_len)?;
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
@@ -249,6 +262,7 @@ impl Model {
             shared: Arc::new(Shared {
                 engine,
                 options: options.clone(),
+                kv_layout,
                 info,
                 session_bytes: AtomicUsize::new(0),
             }),
@@ -283,29 +297,25 @@ impl Model {
         } else {
             opts.max_seq_len
         };
+        let layout = self.shared.kv_layout.clone();
         let state = match &self.shared.engine {
-            Engine::Cpu(l) => SessionState::Cpu(Buffers::new(
-                &l.backend,
-                &l.weights.config,
-                rows,
-                opts.max_seq_len,
-            )?),
+            Engine::Cpu(l) => {
+                SessionState::Cpu(Buffers::new(&l.backend, &l.weights.config, rows, layout)?)
+            }
             Engine::Cuda(l) => {
                 let config = &l.weights.config;
                 let backend = l.backend.session(config)?;
-                let buffers = Buffers::new(&backend, config, rows, opts.max_seq_len)?;
+                let buffers = Buffers::new(&backend, config, rows, layout)?;
                 if opts.log {
-                    let kv = config.applications(config.default_loops)
-                        * opts.max_seq_len
-                        * config.kv_dim()
-                        * 4;
+                    let layout = &buffers.kv.layout;
+                    let loops = config.default_loops;
                     eprintln!(
-                        "[tinyloop] session on {}: buffers {:.1} MB for {rows} rows, KV cache \
-                         {:.1} MB at L={} (allocated at first use)",
+                        "[tinyloop] session on {}: buffers {:.1} MB for {rows} rows, KV cache ({}) \
+                         {:.1} MB at L={loops} (allocated at first use)",
                         backend.describe(),
                         (buffers.bytes + backend.own_bytes()) as f64 / 1e6,
-                        kv as f64 / 1e6,
-                        config.default_loops
+                        layout.mode,
+                        layout.bytes(layout.slots(loops)) as f64 / 1e6,
                     );
                 }
                 SessionState::Cuda(CudaSession { buffers, backend })
@@ -327,8 +337,9 @@ impl Model {
 pub struct CancelHandle(Arc<AtomicBool>);
 
 impl CancelHandle {
-    /// Stop the session's running generation at the next token (it returns [`Error::Cancelled`]).
-    /// Has no effect on calls that start later.
+    /// Stop the session's running call (it returns [`Error::Cancelled`]): generation at the next
+    /// token, prefill and scoring at the next block application. Has no effect on calls that
+    /// start later.
     pub fn cancel(&self) {
         self.0.store(true, Ordering::Release);
     }
@@ -401,8 +412,12 @@ impl Session {
 
     /// Logits `[n, vocab]` (row-major) for every position of `tokens`.
     pub fn score(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
+        self.cancel.store(false, Ordering::Release);
         let loops = self.check_score(tokens, loops)?;
-        let result = with_backend!(self, |b, w, buf| generate::score(b, w, buf, tokens, loops));
+        let cancel = self.cancel.clone();
+        let result = with_backend!(self, |b, w, buf| generate::score(
+            b, w, buf, tokens, loops, &cancel
+        ));
         self.account();
         result
     }
@@ -419,9 +434,11 @@ impl Session {
 
     /// Logits `[vocab]` at the last position of `tokens`.
     pub fn score_last(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
+        self.cancel.store(false, Ordering::Release);
         let loops = self.check_score(tokens, loops)?;
+        let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::score_last(
-            b, w, buf, tokens, loops
+            b, w, buf, tokens, loops, &cancel
         ));
         self.account();
         result
@@ -430,11 +447,22 @@ impl Session {
     /// Bytes of device memory this session holds (buffers and KV cache).
     pub fn memory_bytes(&self) -> usize {
         match &self.state {
-            SessionState::Cpu(buf) => buf.bytes + buf.kv_bytes(&CpuBackend),
-            SessionState::Cuda(s) => {
-                s.buffers.bytes + s.buffers.kv_bytes(&s.backend) + s.backend.own_bytes()
-            }
+            SessionState::Cpu(buf) => buf.bytes + buf.kv.bytes(),
+            SessionState::Cuda(s) => s.buffers.bytes + s.buffers.kv.bytes() + s.backend.own_bytes(),
         }
+    }
+
+    /// Bytes of the KV cache as allocated now (its slots grow with the loop count used).
+    pub fn kv_bytes(&self) -> usize {
+        match &self.state {
+            SessionState::Cpu(buf) => buf.kv.bytes(),
+            SessionState::Cuda(s) => s.buffers.kv.bytes(),
+        }
+    }
+
+    /// The KV cache mode of this session.
+    pub fn kv_mode(&self) -> KvMode {
+        self.shared.kv_layout.mode
     }
 
     /// Keep the model-wide count of session bytes current.

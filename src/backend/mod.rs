@@ -5,7 +5,8 @@
 //! * the residual stream, linear outputs, attention scores and logits are f32;
 //! * linear inputs are f16: the outputs of norms, attention and SwiGLU are rounded to f16;
 //! * linear weights are dequantized as `scale · q + zero` in f32 and accumulated in f32;
-//! * K and V are cached as f16 and Q is rounded to f16 before the dot products;
+//! * K and V are cached as the KV mode says (f16, or quantized by `kv::codec` from f32 values)
+//!   and Q is rounded to f16 before the dot products;
 //! * RoPE uses the host-computed table of [`rope_table`].
 
 pub mod cpu;
@@ -16,6 +17,7 @@ use half::f16;
 use crate::error::Result;
 use crate::format::DType;
 use crate::generate::sampling::{self, SamplingParams};
+use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
 use crate::model::quant::QuantizedMatrix;
 
@@ -93,8 +95,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type Vector: Send + Sync;
     /// Per-session position inputs (token ids, start position) on the device.
     type Step: Send;
-    /// An f16 K/V cache: `slots` block applications × `capacity` positions × `kv_dim`.
-    type KvCache: Send;
+    /// The bytes of a KV cache ([`KvLayout`]): slots, then the reconstruction scratch.
+    type KvStorage: Send;
 
     fn describe(&self) -> String;
 
@@ -104,14 +106,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn alloc_float(&self, len: usize) -> Result<Self::Float>;
     fn alloc_half(&self, len: usize) -> Result<Self::Half>;
     fn alloc_step(&self, max_rows: usize) -> Result<Self::Step>;
-    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<Self::KvCache>;
+    /// Zeroed storage for `layout.bytes(slots)` bytes.
+    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Self::KvStorage>;
+    /// Copy the first `bytes` bytes of one cache's storage to another's (growing a cache).
+    fn copy_kv(&self, from: &Self::KvStorage, to: &mut Self::KvStorage, bytes: usize)
+        -> Result<()>;
 
     /// Bytes of device memory a buffer or weight occupies (for `vram_usage_mb`).
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
-    fn kv_bytes(&self, kv: &Self::KvCache) -> usize;
+    fn kv_bytes(&self, kv: &Self::KvStorage) -> usize;
 
-    /// Stage the token ids and start position of the next step.
-    fn set_step(&self, step: &mut Self::Step, input: StepInput) -> Result<()>;
+    /// Stage the token ids, start position and choice of the next step, and the KV cache's
+    /// age-tier bounds for it.
+    fn set_step(&self, step: &mut Self::Step, input: StepInput, tiers: TierBounds) -> Result<()>;
 
     /// `out[r] = table[token_r]` for the staged tokens, as f32.
     fn embed(&self, table: &Self::Linear, step: &Self::Step, out: &mut Self::Float);
@@ -184,54 +191,62 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.mlp_gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
     }
 
-    /// Apply RoPE to the Q and K parts of `qkv` (`rows` rows at the staged positions) and write
-    /// K and V into `slot` of the cache.
+    /// Rotate the Q (and, unless the mode caches h, K) parts of `qkv` for the `rows` staged
+    /// rows at their positions, and store their entries in slot `at.own()` of the cache: K and V
+    /// from `qkv`, or `h` (the normed attention input) in the h modes. Delta modes store the
+    /// difference to the chain's earlier iterations.
     #[allow(clippy::too_many_arguments)]
-    fn rope_store_kv(
+    fn kv_store(
         &self,
         qkv: &mut Self::Float,
+        h: &Self::Half,
         step: &Self::Step,
         rows: usize,
-        heads: AttentionShape,
         rope: &Self::Float,
-        kv: &mut Self::KvCache,
-        slot: usize,
+        kv: &mut KvCache<Self::KvStorage>,
+        at: KvSlot,
     );
 
-    /// Causal attention of the staged rows' queries over positions `0..=pos` of `slot`;
-    /// output rounded to f16, `rows × n_heads·head_dim`.
+    /// Causal attention of the staged rows' (rotated) queries over positions `0..=pos` of the
+    /// cache entries at `at`; output rounded to f16, `rows × n_heads·head_dim`. The h modes
+    /// first recompute K and V of those positions with the K and V rows of `qkv_weight` (into
+    /// the cache's scratch).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         qkv: &Self::Float,
         step: &Self::Step,
         rows: usize,
-        heads: AttentionShape,
-        kv: &Self::KvCache,
-        slot: usize,
+        kv: &mut KvCache<Self::KvStorage>,
+        at: KvSlot,
+        qkv_weight: &Self::Linear,
+        rope: &Self::Float,
         out: &mut Self::Half,
     );
 
-    /// [`Backend::rope_store_kv`], then [`Backend::attention`]; a backend may fuse the two (then
+    /// [`Backend::kv_store`], then [`Backend::attention`]; a backend may fuse the two (then
     /// `qkv` is left unspecified).
     #[allow(clippy::too_many_arguments)]
     fn rope_attention(
         &self,
         qkv: &mut Self::Float,
+        h: &Self::Half,
         step: &Self::Step,
         rows: usize,
-        heads: AttentionShape,
         rope: &Self::Float,
-        kv: &mut Self::KvCache,
-        slot: usize,
+        kv: &mut KvCache<Self::KvStorage>,
+        at: KvSlot,
+        qkv_weight: &Self::Linear,
         out: &mut Self::Half,
     ) {
-        self.rope_store_kv(qkv, step, rows, heads, rope, kv, slot);
-        self.attention(qkv, step, rows, heads, kv, slot, out);
+        self.kv_store(qkv, h, step, rows, rope, kv, at);
+        self.attention(qkv, step, rows, kv, at, qkv_weight, rope, out);
     }
 
-    /// `acc += x` elementwise over the first `len` values.
-    fn add(&self, acc: &mut Self::Float, x: &Self::Float, len: usize);
+    /// Re-quantize the entries of positions `mv.first..mv.end` of every slot from tier `mv.from`
+    /// to tier `mv.to` (AGE-KV), chains together so that deltas stay exact against the new
+    /// encoding.
+    fn kv_move(&self, kv: &mut KvCache<Self::KvStorage>, mv: &TierMove);
 
     /// Round the first `len` values to f16.
     fn to_half(&self, x: &Self::Float, len: usize, out: &mut Self::Half);
@@ -285,7 +300,7 @@ pub fn choose_on_host(logits: &[f32], choice: &Choice) -> u32 {
 }
 
 /// Head geometry that attention kernels need.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,

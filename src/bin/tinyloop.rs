@@ -7,7 +7,9 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use tinyloop::model::synth;
-use tinyloop::{Device, Error, GenerateParams, Model, ModelOptions, Result, SamplingParams};
+use tinyloop::{
+    Device, Error, GenerateParams, KvMode, Model, ModelOptions, Result, SamplingParams,
+};
 
 #[derive(Parser)]
 #[command(
@@ -49,6 +51,14 @@ struct CommonArgs {
     /// Upper bound on prompt + generated tokens.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: usize,
+    /// KV cache mode: fp16, fp16-h, int8-h, int4-h, int8, delta, age or age:A:B (default:
+    /// TINYLOOP_KV_INT8=1 → int8, TINYLOOP_KV_DELTA=1 → delta, else fp16).
+    #[arg(long = "kv", value_name = "MODE")]
+    kv: Option<KvMode>,
+    /// Prefill prompts in steps of N tokens (0: the whole prompt in one step). Score windows
+    /// must then be at most N tokens.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    prefill_chunk: usize,
     /// Print machine-readable JSON.
     #[arg(long)]
     json: bool,
@@ -308,7 +318,9 @@ fn run_model(cli: ModelCli) -> Result<()> {
 fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
     let options = ModelOptions {
         max_seq_len: common.max_seq_len,
+        prefill_chunk: common.prefill_chunk,
         device: common.device,
+        kv_mode: common.kv,
         log: !common.quiet && !common.json,
         ..ModelOptions::default()
     };
@@ -565,6 +577,10 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "memory_mb": model.memory_bytes() as f64 / 1e6,
+        "kv_mode": session.kv_mode().to_string(),
+        "kv_mb": session.kv_bytes() as f64 / 1e6,
+        "max_seq_len": common.max_seq_len,
+        "prefill_chunk": common.prefill_chunk,
         "kernels": model.info().kernels,
         "kernel_ms": model.info().kernel_ms,
         "repeats": args.repeats,
@@ -576,12 +592,15 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         println!("{report}");
     } else {
         println!(
-            "device {}  loops {loops}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB",
+            "device {}  loops {loops}  kv {}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB (KV cache {:.1} MB for {} tokens)",
             model.info().device,
+            session.kv_mode(),
             args.prompt_len,
             args.prompt_len as f64 / prefill_ms * 1e3,
             1e3 / decode_ms,
-            model.memory_bytes() as f64 / 1e6
+            model.memory_bytes() as f64 / 1e6,
+            session.kv_bytes() as f64 / 1e6,
+            common.max_seq_len,
         );
         if let Some(kernels) = &model.info().kernels {
             println!("  kernels         {kernels}");

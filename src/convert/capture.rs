@@ -7,9 +7,10 @@ use std::sync::Mutex;
 use half::f16;
 use rayon::prelude::*;
 
-use crate::backend::cpu::{dot, CpuBackend, CpuKvCache, CpuLinear, CpuStep};
-use crate::backend::{AttentionShape, Backend, HostLinear, NormLayer, StepInput};
+use crate::backend::cpu::{dot, CpuBackend, CpuLinear, CpuStep};
+use crate::backend::{Backend, HostLinear, NormLayer, StepInput};
 use crate::error::Result;
+use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
 pub struct Hessian {
@@ -88,7 +89,7 @@ impl Backend for CaptureBackend {
     type Linear = CaptureLinear;
     type Vector = Vec<f32>;
     type Step = CpuStep;
-    type KvCache = CpuKvCache;
+    type KvStorage = Vec<u8>;
 
     fn describe(&self) -> String {
         "cpu (calibration)".into()
@@ -117,20 +118,24 @@ impl Backend for CaptureBackend {
         CpuBackend.alloc_step(max_rows)
     }
 
-    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<CpuKvCache> {
-        CpuBackend.alloc_kv(slots, capacity, kv_dim)
+    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Vec<u8>> {
+        CpuBackend.alloc_kv(layout, slots)
+    }
+
+    fn copy_kv(&self, from: &Vec<u8>, to: &mut Vec<u8>, bytes: usize) -> Result<()> {
+        CpuBackend.copy_kv(from, to, bytes)
     }
 
     fn linear_bytes(&self, w: &CaptureLinear) -> usize {
         CpuBackend.linear_bytes(&w.inner)
     }
 
-    fn kv_bytes(&self, kv: &CpuKvCache) -> usize {
+    fn kv_bytes(&self, kv: &Vec<u8>) -> usize {
         CpuBackend.kv_bytes(kv)
     }
 
-    fn set_step(&self, step: &mut CpuStep, input: StepInput) -> Result<()> {
-        CpuBackend.set_step(step, input)
+    fn set_step(&self, step: &mut CpuStep, input: StepInput, tiers: TierBounds) -> Result<()> {
+        CpuBackend.set_step(step, input, tiers)
     }
 
     fn embed(&self, table: &CaptureLinear, step: &CpuStep, out: &mut Vec<f32>) {
@@ -173,17 +178,17 @@ impl Backend for CaptureBackend {
         CpuBackend.mlp_gate_up(x, rows, &gate.inner, &up.inner, gate_buf, up_buf, out)
     }
 
-    fn rope_store_kv(
+    fn kv_store(
         &self,
         qkv: &mut Vec<f32>,
+        h: &Vec<f32>,
         step: &CpuStep,
         rows: usize,
-        heads: AttentionShape,
         rope: &Vec<f32>,
-        kv: &mut CpuKvCache,
-        slot: usize,
+        kv: &mut KvCache<Vec<u8>>,
+        at: KvSlot,
     ) {
-        CpuBackend.rope_store_kv(qkv, step, rows, heads, rope, kv, slot)
+        CpuBackend.kv_store(qkv, h, step, rows, rope, kv, at)
     }
 
     fn attention(
@@ -191,16 +196,17 @@ impl Backend for CaptureBackend {
         qkv: &Vec<f32>,
         step: &CpuStep,
         rows: usize,
-        heads: AttentionShape,
-        kv: &CpuKvCache,
-        slot: usize,
+        kv: &mut KvCache<Vec<u8>>,
+        at: KvSlot,
+        qkv_weight: &CaptureLinear,
+        rope: &Vec<f32>,
         out: &mut Vec<f32>,
     ) {
-        CpuBackend.attention(qkv, step, rows, heads, kv, slot, out)
+        CpuBackend.attention(qkv, step, rows, kv, at, &qkv_weight.inner, rope, out)
     }
 
-    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-        CpuBackend.add(acc, x, len)
+    fn kv_move(&self, kv: &mut KvCache<Vec<u8>>, mv: &TierMove) {
+        CpuBackend.kv_move(kv, mv)
     }
 
     fn to_half(&self, x: &Vec<f32>, len: usize, out: &mut Vec<f32>) {

@@ -7,6 +7,7 @@ pub mod gptq;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 
 use half::f16;
 use safetensors::{Dtype, SafeTensors};
@@ -14,6 +15,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::backend::{Choice, StepInput};
 use crate::error::{Error, Result};
 use crate::format::{DType, FileWriter, ModelFile};
+use crate::kv::{KvLayout, KvMode};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{forward, Buffers};
 use crate::model::layout::{block_name, blocks, expected_tensors, TensorRole, BLOCK_LINEARS};
@@ -229,7 +231,9 @@ fn calibrate(
     let window = opts.window.max(2);
     let backend = CaptureBackend;
     let weights = Weights::load(&backend, &file, window)?;
-    let mut buffers = Buffers::new(&backend, config, window, window)?;
+    let layout = KvLayout::new(config, KvMode::Fp16, window)?;
+    let mut buffers = Buffers::new(&backend, config, window, layout)?;
+    let never = AtomicBool::new(false);
     let loops = opts.calibration_loops.unwrap_or(config.default_loops);
     let windows: Vec<&[u32]> = opts.calibration.chunks(window).collect();
     let mut progress = Progress::new(opts.progress, windows.len(), "calibrate");
@@ -244,6 +248,7 @@ fn calibrate(
                 choice: Choice::Greedy,
             },
             loops,
+            &never,
         )?;
         progress.step(&format!("window {}", i + 1));
     }

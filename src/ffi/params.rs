@@ -4,7 +4,7 @@
 use std::ffi::c_char;
 
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
-use crate::{Device, GenerateParams, ModelOptions, SamplingParams};
+use crate::{Device, GenerateParams, KvMode, ModelOptions, SamplingParams};
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
 #[repr(C)]
@@ -25,6 +25,11 @@ pub struct tl_model_params {
     pub max_loops: u32,
     /// Print the load log on stderr. Default true.
     pub log: bool,
+    /// KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
+    /// "age:A:B" (docs/ABI.md "KV cache modes"). NULL (default) uses the environment
+    /// (TINYLOOP_KV_INT8=1 → "int8", TINYLOOP_KV_DELTA=1 → "delta"), else "fp16". Only read
+    /// during `tl_model_open`.
+    pub kv_mode: *const c_char,
 }
 
 /// Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
@@ -100,6 +105,7 @@ fn default_model_params() -> tl_model_params {
         device: std::ptr::null(),
         max_loops: saturate(d.max_loops),
         log: d.log,
+        kv_mode: std::ptr::null(),
     }
 }
 
@@ -178,7 +184,7 @@ pub(crate) unsafe fn prompt_arg(ptr: *const i32, n: usize) -> FfiResult<Vec<u32>
 ///
 /// # Safety
 /// `params` must be NULL or point to a `tl_model_params` of at least its `struct_size` bytes
-/// whose `device` is NULL or a NUL-terminated string.
+/// whose `device` and `kv_mode` are NULL or NUL-terminated strings.
 pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<ModelOptions> {
     let p = if params.is_null() {
         default_model_params()
@@ -201,11 +207,19 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
         let name = unsafe { c_str(p.device, "tl_model_params.device") }?;
         Some(name.parse::<Device>()?)
     };
+    let kv_mode = if p.kv_mode.is_null() {
+        None
+    } else {
+        // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+        let name = unsafe { c_str(p.kv_mode, "tl_model_params.kv_mode") }?;
+        Some(name.parse::<KvMode>()?)
+    };
     Ok(ModelOptions {
         max_seq_len: p.max_seq_len as usize,
         prefill_chunk: p.prefill_chunk as usize,
         device,
         max_loops: p.max_loops as usize,
+        kv_mode,
         log: p.log,
     })
 }

@@ -32,6 +32,7 @@ fn prefill<B: Backend>(
     tokens: &[u32],
     loops: usize,
     choice: Choice,
+    cancel: &AtomicBool,
 ) -> Result<usize> {
     let chunks = tokens.len().div_ceil(buf.max_rows);
     let mut last_rows = 0;
@@ -45,7 +46,7 @@ fn prefill<B: Backend>(
                 Choice::Greedy
             },
         };
-        forward(backend, w, buf, input, loops)?;
+        forward(backend, w, buf, input, loops, cancel)?;
         last_rows = chunk.len();
     }
     Ok(last_rows - 1)
@@ -90,7 +91,7 @@ pub fn generate<B: Backend>(
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Vec::with_capacity(req.max_tokens);
     let choice = next_choice(&req.sampling, &mut rng);
-    let last = prefill(backend, w, buf, prompt, req.loops, choice)?;
+    let last = prefill(backend, w, buf, prompt, req.loops, choice, cancel)?;
     final_norm(backend, w, buf, last + 1);
     logits(backend, w, buf, last, 1);
     choose(backend, w, buf);
@@ -126,6 +127,7 @@ pub fn score<B: Backend>(
     buf: &mut Buffers<B>,
     tokens: &[u32],
     loops: usize,
+    cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
     let vocab = w.config.vocab_size;
     let n = tokens.len();
@@ -139,6 +141,7 @@ pub fn score<B: Backend>(
             choice: Choice::Greedy,
         },
         loops,
+        cancel,
     )?;
     final_norm(backend, w, buf, n);
     let mut out = Vec::with_capacity(n * vocab);
@@ -157,6 +160,7 @@ pub fn score_last<B: Backend>(
     buf: &mut Buffers<B>,
     tokens: &[u32],
     loops: usize,
+    cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
     let n = tokens.len();
     forward(
@@ -169,6 +173,7 @@ pub fn score_last<B: Backend>(
             choice: Choice::Greedy,
         },
         loops,
+        cancel,
     )?;
     row_logits(backend, w, buf, n, n - 1)
 }

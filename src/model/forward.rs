@@ -1,27 +1,45 @@
 //! The forward pass, written once over the [`Backend`] op set.
 //!
 //! One step feeds `rows` tokens at positions `start_pos..start_pos + rows` through every block
-//! application (pre blocks, the loop body L times, post blocks). Application `a` owns KV slot `a`,
-//! so the state after loop iteration i never depends on the total L.
+//! application (pre blocks, the loop body L times, post blocks). Each application reads and
+//! writes its own KV slot, keyed by (stage, block, iteration) ([`KvLayout`]), so the state after
+//! loop iteration i never depends on the total L.
 
-use crate::backend::{AttentionShape, Backend, NormLayer, StepInput};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::backend::{Backend, NormLayer, StepInput};
 use crate::error::{Error, Result};
+use crate::kv::{Application, KvCache, KvLayout, KvSlot};
 use crate::model::config::ModelConfig;
+use crate::model::layout::Stage;
 use crate::model::weights::{BlockWeights, Head, Norm, Weights};
 
 /// Logit rows computed per head call; bounds the logits buffer at `LOGIT_ROWS × vocab`.
 pub const LOGIT_ROWS: usize = 16;
 
-/// The order of block applications for `loops` iterations: indices into `Weights::blocks`.
-pub fn schedule(config: &ModelConfig, loops: usize) -> impl Iterator<Item = usize> + '_ {
-    let (n_pre, k) = (config.n_pre_blocks, config.n_loop_blocks);
-    let pre = 0..n_pre;
-    let body = (0..loops).flat_map(move |_| n_pre..n_pre + k);
-    let post = n_pre + k..n_pre + k + config.n_post_blocks;
-    pre.chain(body).chain(post)
+/// The block applications of `loops` iterations, in order.
+pub fn schedule(config: &ModelConfig, loops: usize) -> impl Iterator<Item = Application> + '_ {
+    let stage = |stage, n: usize| {
+        (0..n).map(move |block| Application {
+            stage,
+            block,
+            iteration: 0,
+        })
+    };
+    let k = config.n_loop_blocks;
+    let body = (1..=loops).flat_map(move |iteration| {
+        (0..k).map(move |block| Application {
+            stage: Stage::Loop,
+            block,
+            iteration,
+        })
+    });
+    stage(Stage::Pre, config.n_pre_blocks)
+        .chain(body)
+        .chain(stage(Stage::Post, config.n_post_blocks))
 }
 
-/// Per-session runtime buffers, allocated once for `max_rows` rows per step.
+/// Per-session runtime buffers, allocated once for `max_rows` rows per step, and the KV cache.
 pub struct Buffers<B: Backend> {
     pub max_rows: usize,
     x: B::Float,
@@ -35,20 +53,26 @@ pub struct Buffers<B: Backend> {
     factor_half: B::Half,
     pub logits: B::Float,
     step: B::Step,
-    kv: Option<B::KvCache>,
-    kv_slots: usize,
-    kv_capacity: usize,
+    /// Slots are added as calls need them (more loop iterations), keeping what they hold.
+    pub kv: KvCache<B::KvStorage>,
     /// Bytes held by the buffers above, KV cache excluded.
     pub bytes: usize,
 }
 
+/// `a · b` elements, or an error naming what would not fit.
+fn elements(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| Error::invalid(format!("{what}: {a} × {b} elements overflow")))
+}
+
 impl<B: Backend> Buffers<B> {
-    pub fn new(backend: &B, config: &ModelConfig, max_rows: usize, max_seq: usize) -> Result<Self> {
+    pub fn new(backend: &B, config: &ModelConfig, max_rows: usize, kv: KvLayout) -> Result<Self> {
         let (d, f, r) = (config.dim, config.ffn_dim, config.embed_factor_dim);
         let wide = d.max(r);
-        let float_len = [d, config.qkv_dim(), f, f].map(|w| w * max_rows);
-        let half_len = [wide, d, f].map(|w| w * max_rows);
-        let logits_len = LOGIT_ROWS * config.vocab_size;
+        let rows = |width: usize| elements(width, max_rows, "step buffers");
+        let float_len = [rows(d)?, rows(config.qkv_dim())?, rows(f)?, rows(f)?];
+        let half_len = [rows(wide)?, rows(d)?, rows(f)?];
+        let logits_len = elements(LOGIT_ROWS, config.vocab_size, "logits")?;
         let factor_len = LOGIT_ROWS * r.max(1);
         let bytes = 4 * (float_len.iter().sum::<usize>() + logits_len + factor_len)
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
@@ -65,53 +89,58 @@ impl<B: Backend> Buffers<B> {
             factor_half: backend.alloc_half(factor_len)?,
             logits: backend.alloc_float(logits_len)?,
             step: backend.alloc_step(max_rows)?,
-            kv: None,
-            kv_slots: 0,
-            kv_capacity: max_seq,
+            kv: KvCache {
+                storage: backend.alloc_kv(&kv, 0)?,
+                layout: kv,
+                slots: 0,
+                bounds: Default::default(),
+            },
             bytes,
         })
     }
 
-    /// Make sure the KV cache has `slots` slots; grows (and clears) it when it has fewer.
-    pub fn reserve_kv(&mut self, backend: &B, config: &ModelConfig, slots: usize) -> Result<()> {
-        if self.kv.is_none() || self.kv_slots < slots {
-            backend.graph_reset(&mut self.step); // captured graphs point at the old cache
-            self.kv = None; // release the old cache before allocating the larger one
-            self.kv = Some(backend.alloc_kv(slots, self.kv_capacity, config.kv_dim())?);
-            self.kv_slots = slots;
+    /// Make sure the KV cache has at least `slots` slots; growing it keeps every entry.
+    pub fn reserve_kv(&mut self, backend: &B, slots: usize) -> Result<()> {
+        let kv = &mut self.kv;
+        if kv.slots >= slots {
+            return Ok(());
         }
+        backend.graph_reset(&mut self.step); // captured graphs point at the old storage
+        let mut storage = backend.alloc_kv(&kv.layout, slots)?;
+        backend.copy_kv(
+            &kv.storage,
+            &mut storage,
+            kv.layout.scratch_offset(kv.slots),
+        )?;
+        kv.storage = storage;
+        kv.slots = slots;
         Ok(())
-    }
-
-    pub fn kv_bytes(&self, backend: &B) -> usize {
-        self.kv.as_ref().map_or(0, |kv| backend.kv_bytes(kv))
     }
 }
 
 /// Run one step through every block application; afterwards the residual stream of each row is
-/// in the buffers, ready for [`logits`].
+/// in the buffers, ready for [`logits`]. `cancel` is checked before each block application.
 pub fn forward<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     input: StepInput,
     loops: usize,
+    cancel: &AtomicBool,
 ) -> Result<()> {
     let rows = input.tokens.len();
-    stage(backend, w, buf, input, loops)?;
-    step_ops(backend, w, buf, rows, loops);
-    Ok(())
+    stage(backend, buf, input, loops)?;
+    step_ops(backend, w, buf, rows, loops, Some(cancel))
 }
 
-/// Validate a step, make room in the KV cache, and stage its tokens and position.
+/// Validate a step, make room in the KV cache (and move entries that changed age tier), and
+/// stage its tokens, position and tier bounds.
 fn stage<B: Backend>(
     backend: &B,
-    w: &Weights<B>,
     buf: &mut Buffers<B>,
     input: StepInput,
     loops: usize,
 ) -> Result<()> {
-    let config = &w.config;
     let rows = input.tokens.len();
     if rows == 0 || rows > buf.max_rows {
         return Err(Error::invalid(format!(
@@ -119,25 +148,30 @@ fn stage<B: Backend>(
             buf.max_rows
         )));
     }
-    if input.start_pos + rows > buf.kv_capacity {
+    let end = input.start_pos + rows;
+    if end > buf.kv.layout.capacity {
         return Err(Error::invalid(format!(
-            "sequence of {} tokens exceeds max_seq_len {}",
-            input.start_pos + rows,
-            buf.kv_capacity
+            "sequence of {end} tokens exceeds max_seq_len {}",
+            buf.kv.layout.capacity
         )));
     }
-    buf.reserve_kv(backend, config, config.applications(loops))?;
-    backend.set_step(&mut buf.step, input)
+    buf.reserve_kv(backend, buf.kv.layout.slots(loops))?;
+    for mv in buf.kv.advance_tiers(input.start_pos, end) {
+        backend.kv_move(&mut buf.kv, &mv);
+    }
+    backend.set_step(&mut buf.step, input, buf.kv.bounds)
 }
 
-/// The ops of a staged step: embedding, then every block application.
+/// The ops of a staged step: embedding, then every block application. With `cancel`, stops
+/// between block applications once it is set.
 fn step_ops<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     rows: usize,
     loops: usize,
-) {
+    cancel: Option<&AtomicBool>,
+) -> Result<()> {
     match &w.embed_proj {
         None => backend.embed(&w.embed, &buf.step, &mut buf.x),
         Some(proj) => {
@@ -145,17 +179,14 @@ fn step_ops<B: Backend>(
             backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
         }
     }
-    for (slot, block) in schedule(&w.config, loops).enumerate() {
-        block_forward(
-            backend,
-            &w.config,
-            &w.blocks[block],
-            &w.rope,
-            buf,
-            rows,
-            slot,
-        );
+    for app in schedule(&w.config, loops) {
+        if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
+            return Err(Error::Cancelled);
+        }
+        let at = buf.kv.layout.at(app);
+        block_forward(backend, &w.config, w.block(app), &w.rope, buf, rows, at);
     }
+    Ok(())
 }
 
 /// One decode step: feed `input` (one token), leave its logits in `buf.logits` row 0 and
@@ -172,14 +203,15 @@ pub fn decode_step<B: Backend>(
     loops: usize,
 ) -> Result<()> {
     debug_assert_eq!(input.tokens.len(), 1);
-    // Validation, KV reservation and staging happen outside any graph.
+    // Validation, KV reservation, tier moves and staging happen outside any graph.
     let key = (loops as u64) << 1 | input.choice.is_sample() as u64;
-    stage(backend, w, buf, input, loops)?;
-    if backend.graph_replay(&mut buf.step, key)? {
+    stage(backend, buf, input, loops)?;
+    let capturable = buf.kv.layout.mode.graph_capturable();
+    if capturable && backend.graph_replay(&mut buf.step, key)? {
         return Ok(());
     }
-    let capturing = backend.graph_begin(&mut buf.step, key)?;
-    step_ops(backend, w, buf, 1, loops);
+    let capturing = capturable && backend.graph_begin(&mut buf.step, key)?;
+    step_ops(backend, w, buf, 1, loops, None)?;
     final_norm(backend, w, buf, 1);
     logits(backend, w, buf, 0, 1);
     choose(backend, w, buf);
@@ -206,33 +238,33 @@ fn block_forward<B: Backend>(
     rope: &B::Float,
     buf: &mut Buffers<B>,
     rows: usize,
-    slot: usize,
+    at: KvSlot,
 ) {
-    let heads = AttentionShape {
-        n_heads: config.n_heads,
-        n_kv_heads: config.n_kv_heads,
-        head_dim: config.head_dim(),
-    };
-    let kv = buf.kv.as_mut().expect("KV cache reserved before the step");
-
     // Attention: x += attn_out · attention(rope(qkv · norm(x)))
     let attn_norm = norm_layer(config, &block.attn_norm);
-    backend.norm_linear(
-        &attn_norm,
-        &buf.x,
-        rows,
-        &block.attn_qkv,
-        &mut buf.h,
-        &mut buf.qkv,
-    );
+    if buf.kv.layout.mode.stores_input() {
+        // The cache keeps h itself, so h must exist (not be fused into the product).
+        backend.norm(&attn_norm, &buf.x, rows, &mut buf.h);
+        backend.linear(&buf.h, 0, rows, &block.attn_qkv, &mut buf.qkv, false);
+    } else {
+        backend.norm_linear(
+            &attn_norm,
+            &buf.x,
+            rows,
+            &block.attn_qkv,
+            &mut buf.h,
+            &mut buf.qkv,
+        );
+    }
     backend.rope_attention(
         &mut buf.qkv,
+        &buf.h,
         &buf.step,
         rows,
-        heads,
         rope,
-        kv,
-        slot,
+        &mut buf.kv,
+        at,
+        &block.attn_qkv,
         &mut buf.att,
     );
     backend.linear(&buf.att, 0, rows, &block.attn_out, &mut buf.x, true);

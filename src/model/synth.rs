@@ -17,7 +17,7 @@ pub const PRESETS: [&str; 5] = ["tiny", "small", "tl-407m", "tiny-gqa", "tiny-ti
 ///
 /// * `tiny`: byte vocab, D 64, 4 heads, F 256, 2 pre + 1 loop, L 4.
 /// * `small`: byte vocab, D 512, 8 heads, F 2048, 2 pre + 1 loop, L 4.
-/// * `tl-407m`: D 2048, 16 heads, F 8192, vocab 50304, 2 pre + 1 loop, L 8.
+/// * `tl-407m`: D 2048, 16 heads, F 8192, vocab 50304, 2 pre + 1 loop, L 8, positions 32768.
 /// * `tiny-gqa`: GQA (4 heads, 2 KV heads), LayerNorm, factorized embedding with tied head,
 ///   1 pre + 2 loop + 1 post blocks, L 3.
 /// * `tiny-tied`: no pre blocks, tied full-rank head, L 2.
@@ -55,7 +55,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             ffn_dim: 8192,
             vocab_size: 50304,
             default_loops: 8,
-            max_position: 4096,
+            max_position: 32768,
             ..base
         },
         "tiny-gqa" => ModelConfig {

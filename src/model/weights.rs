@@ -3,8 +3,9 @@
 use crate::backend::{rope_table, Backend, HostLinear};
 use crate::error::{Error, Result};
 use crate::format::{DType, ModelFile};
+use crate::kv::Application;
 use crate::model::config::{HeadKind, ModelConfig};
-use crate::model::layout::{block_name, blocks, BLOCK_LINEARS};
+use crate::model::layout::{block_name, blocks, Stage, BLOCK_LINEARS};
 use crate::model::quant::f16_from_bytes;
 
 pub struct Norm<B: Backend> {
@@ -95,6 +96,19 @@ impl<B: Backend> Weights<B> {
             rope,
             bytes,
         })
+    }
+}
+
+impl<B: Backend> Weights<B> {
+    /// The weights an application runs (loop iterations share theirs).
+    pub fn block(&self, app: Application) -> &BlockWeights<B> {
+        let c = &self.config;
+        let index = match app.stage {
+            Stage::Pre => app.block,
+            Stage::Loop => c.n_pre_blocks + app.block,
+            Stage::Post => c.n_pre_blocks + c.n_loop_blocks + app.block,
+        };
+        &self.blocks[index]
     }
 }
 

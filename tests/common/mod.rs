@@ -49,3 +49,69 @@ pub fn tokens(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
         .map(|i| (i.wrapping_add(salt).wrapping_mul(2_654_435_761) >> 9) % vocab as u32)
         .collect()
 }
+
+/// Prefill `prompt` through the forward pass in steps of `chunk` rows (0: one step), then decode
+/// `steps` greedy tokens. Returns the logits after the prompt and after each decode step, and
+/// the tokens chosen from them.
+pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
+    backend: &B,
+    weights: &tinyloop::model::weights::Weights<B>,
+    layout: tinyloop::kv::KvLayout,
+    chunk: usize,
+    prompt: &[u32],
+    loops: usize,
+    steps: usize,
+) -> (Vec<Vec<f32>>, Vec<u32>) {
+    use tinyloop::backend::{Choice, StepInput};
+    use tinyloop::model::forward::{
+        choose, chosen_token, decode_step, final_norm, forward, logits, Buffers,
+    };
+    let rows = if chunk == 0 { prompt.len() } else { chunk };
+    let mut buf = Buffers::new(backend, &weights.config, rows, layout).unwrap();
+    let never = std::sync::atomic::AtomicBool::new(false);
+    let vocab = weights.config.vocab_size;
+    for (i, part) in prompt.chunks(rows).enumerate() {
+        let input = StepInput {
+            tokens: part,
+            start_pos: i * rows,
+            choice: Choice::Greedy,
+        };
+        forward(backend, weights, &mut buf, input, loops, &never).unwrap();
+    }
+    let last = (prompt.len() - 1) % rows;
+    final_norm(backend, weights, &mut buf, last + 1);
+    logits(backend, weights, &mut buf, last, 1);
+    choose(backend, weights, &mut buf);
+    let mut out = vec![backend.read_float(&buf.logits, 0, vocab).unwrap()];
+    let mut next = chosen_token(backend, &buf).unwrap();
+    let mut tokens = vec![next];
+    for pos in prompt.len()..prompt.len() + steps {
+        let input = StepInput {
+            tokens: &[next],
+            start_pos: pos,
+            choice: Choice::Greedy,
+        };
+        decode_step(backend, weights, &mut buf, input, loops).unwrap();
+        out.push(backend.read_float(&buf.logits, 0, vocab).unwrap());
+        next = chosen_token(backend, &buf).unwrap();
+        tokens.push(next);
+    }
+    (out, tokens)
+}
+
+/// ‖a − b‖₂ / ‖b‖₂ in f64; NaN anywhere gives infinity.
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_nan() || y.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}

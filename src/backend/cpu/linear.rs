@@ -114,7 +114,20 @@ impl CpuLinear {
 
     /// `out[r, n] (+)= Σ_k x[r, k] · W[n, k]` for `r < rows`.
     pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32], accumulate: bool) {
-        let (n_out, k) = (self.rows(), self.cols());
+        self.matmul_rows(x, rows, 0..self.rows(), out, accumulate);
+    }
+
+    /// [`CpuLinear::matmul`] restricted to the weight rows `range`: `out` is `rows × range.len()`.
+    /// Each value is the same dot product, in the same order, as in the full product.
+    pub fn matmul_rows(
+        &self,
+        x: &[f32],
+        rows: usize,
+        range: std::ops::Range<usize>,
+        out: &mut [f32],
+        accumulate: bool,
+    ) {
+        let (n_out, k) = (range.len(), self.cols());
         // Results are gathered per weight row ([n, r]) so each task dequantizes a row once.
         let mut by_weight_row = vec![0f32; n_out * rows];
         by_weight_row
@@ -123,7 +136,7 @@ impl CpuLinear {
             .for_each(|(task, chunk)| {
                 let mut w_row = vec![0f32; k];
                 for (i, out_n) in chunk.chunks_exact_mut(rows).enumerate() {
-                    self.row_into(task * ROWS_PER_TASK + i, &mut w_row);
+                    self.row_into(range.start + task * ROWS_PER_TASK + i, &mut w_row);
                     for (r, o) in out_n.iter_mut().enumerate() {
                         *o = dot(&x[r * k..(r + 1) * k], &w_row);
                     }

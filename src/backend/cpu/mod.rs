@@ -2,15 +2,17 @@
 //! Work is split across threads (rayon) by output element, so results never depend on the
 //! thread count: each value is computed by one thread in a fixed order.
 
+mod kv;
 mod linear;
 
 use half::f16;
-use rayon::prelude::*;
 
-use super::{choose_on_host, AttentionShape, Backend, Choice, HostLinear, NormLayer, StepInput};
+use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, StepInput};
 use crate::error::{Error, Result};
+use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
 
+pub use kv::read as read_kv_entry;
 pub(crate) use linear::dot;
 pub use linear::CpuLinear;
 
@@ -30,20 +32,6 @@ pub struct CpuStep {
     chosen: u32,
 }
 
-/// K and V for every block application, f16 values held as f32 for fast reads.
-pub struct CpuKvCache {
-    capacity: usize,
-    kv_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
-impl CpuKvCache {
-    fn offset(&self, slot: usize, pos: usize) -> usize {
-        (slot * self.capacity + pos) * self.kv_dim
-    }
-}
-
 /// Allocate a zeroed vector, reporting failure as an error instead of aborting.
 pub(crate) fn try_zeroed<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();
@@ -61,7 +49,7 @@ impl Backend for CpuBackend {
     type Linear = CpuLinear;
     type Vector = Vec<f32>;
     type Step = CpuStep;
-    type KvCache = CpuKvCache;
+    type KvStorage = Vec<u8>;
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -92,25 +80,25 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn alloc_kv(&self, slots: usize, capacity: usize, kv_dim: usize) -> Result<CpuKvCache> {
-        let len = slots * capacity * kv_dim;
-        Ok(CpuKvCache {
-            capacity,
-            kv_dim,
-            k: try_zeroed(len, "K cache")?,
-            v: try_zeroed(len, "V cache")?,
-        })
+    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Vec<u8>> {
+        try_zeroed(layout.bytes(slots), "KV cache")
+    }
+
+    fn copy_kv(&self, from: &Vec<u8>, to: &mut Vec<u8>, bytes: usize) -> Result<()> {
+        to[..bytes].copy_from_slice(&from[..bytes]);
+        Ok(())
     }
 
     fn linear_bytes(&self, w: &CpuLinear) -> usize {
         w.bytes()
     }
 
-    fn kv_bytes(&self, kv: &CpuKvCache) -> usize {
-        (kv.k.len() + kv.v.len()) * std::mem::size_of::<f32>()
+    fn kv_bytes(&self, kv: &Vec<u8>) -> usize {
+        kv.len()
     }
 
-    fn set_step(&self, step: &mut CpuStep, input: StepInput) -> Result<()> {
+    // The CPU reads the tier bounds from the cache object itself.
+    fn set_step(&self, step: &mut CpuStep, input: StepInput, _: TierBounds) -> Result<()> {
         step.tokens.clear();
         step.tokens.extend_from_slice(input.tokens);
         step.start_pos = input.start_pos;
@@ -189,40 +177,17 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope_store_kv(
+    fn kv_store(
         &self,
         qkv: &mut Vec<f32>,
+        h: &Vec<f32>,
         step: &CpuStep,
         rows: usize,
-        heads: AttentionShape,
         rope: &Vec<f32>,
-        kv: &mut CpuKvCache,
-        slot: usize,
+        kv: &mut KvCache<Vec<u8>>,
+        at: KvSlot,
     ) {
-        let hd = heads.head_dim;
-        let half = hd / 2;
-        let width = heads.qkv_dim();
-        for r in 0..rows {
-            let pos = step.start_pos + r;
-            let table = &rope[pos * hd..(pos + 1) * hd];
-            let row = &mut qkv[r * width..(r + 1) * width];
-            // Q and K heads are contiguous; rotate each head's pairs (i, i + half).
-            for head in row[..heads.q_dim() + heads.kv_dim()].chunks_exact_mut(hd) {
-                for i in 0..half {
-                    let (cos, sin) = (table[2 * i], table[2 * i + 1]);
-                    let (a, b) = (head[i], head[i + half]);
-                    head[i] = a * cos - b * sin;
-                    head[i + half] = a * sin + b * cos;
-                }
-            }
-            let at = kv.offset(slot, pos);
-            let kd = heads.kv_dim();
-            let (k, v) = row[heads.q_dim()..].split_at(kd);
-            for i in 0..kd {
-                kv.k[at + i] = round_f16(k[i]);
-                kv.v[at + i] = round_f16(v[i]);
-            }
-        }
+        kv::store(qkv, h, step, rows, rope, kv, at);
     }
 
     fn attention(
@@ -230,55 +195,17 @@ impl Backend for CpuBackend {
         qkv: &Vec<f32>,
         step: &CpuStep,
         rows: usize,
-        heads: AttentionShape,
-        kv: &CpuKvCache,
-        slot: usize,
+        kv: &mut KvCache<Vec<u8>>,
+        at: KvSlot,
+        qkv_weight: &CpuLinear,
+        rope: &Vec<f32>,
         out: &mut Vec<f32>,
     ) {
-        let hd = heads.head_dim;
-        let group = heads.n_heads / heads.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let q_dim = heads.q_dim();
-        out[..rows * q_dim]
-            .par_chunks_mut(hd)
-            .enumerate()
-            .for_each(|(index, out)| {
-                let (r, h) = (index / heads.n_heads, index % heads.n_heads);
-                let pos = step.start_pos + r;
-                let q: Vec<f32> = qkv[r * heads.qkv_dim() + h * hd..][..hd]
-                    .iter()
-                    .map(|&v| round_f16(v))
-                    .collect();
-                let kv_off = (h / group) * hd;
-                let mut scores: Vec<f32> = (0..=pos)
-                    .map(|t| {
-                        let k = &kv.k[kv.offset(slot, t) + kv_off..][..hd];
-                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
-                    })
-                    .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s;
-                }
-                let mut acc = vec![0f32; hd];
-                for (t, s) in scores.iter().enumerate() {
-                    let v = &kv.v[kv.offset(slot, t) + kv_off..][..hd];
-                    for (a, &b) in acc.iter_mut().zip(v) {
-                        *a += s * b;
-                    }
-                }
-                for (o, a) in out.iter_mut().zip(acc) {
-                    *o = round_f16(a / total);
-                }
-            });
+        kv::attention(qkv, step, rows, kv, at, qkv_weight, rope, out);
     }
 
-    fn add(&self, acc: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-        for (a, b) in acc[..len].iter_mut().zip(&x[..len]) {
-            *a += b;
-        }
+    fn kv_move(&self, kv: &mut KvCache<Vec<u8>>, mv: &TierMove) {
+        kv::move_tier(kv, mv);
     }
 
     fn to_half(&self, x: &Vec<f32>, len: usize, out: &mut Vec<f32>) {

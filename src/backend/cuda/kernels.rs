@@ -24,8 +24,9 @@ use super::driver::device_error;
 use crate::error::{Error, Result};
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
-pub(crate) const SOURCES: [(&str, &str); 6] = [
+pub(crate) const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
+    ("kv.cuh", include_str!("../../../cuda/kv.cuh")),
     (
         "elementwise.cu",
         include_str!("../../../cuda/elementwise.cu"),
@@ -34,11 +35,12 @@ pub(crate) const SOURCES: [(&str, &str); 6] = [
     ("gemm.cu", include_str!("../../../cuda/gemm.cu")),
     ("attention.cu", include_str!("../../../cuda/attention.cu")),
     ("sample.cu", include_str!("../../../cuda/sample.cu")),
+    ("kv.cu", include_str!("../../../cuda/kv.cu")),
 ];
 
 /// The programs NVRTC compiles, in parallel: a source file and its extra options. The GEMV file
 /// is split by bit width because it dominates the compile time.
-const PROGRAMS: [(&str, &str); 7] = [
+const PROGRAMS: [(&str, &str); 8] = [
     ("elementwise.cu", ""),
     ("gemv.cu", "-DGEMV_BITS=16"),
     ("gemv.cu", "-DGEMV_BITS=4"),
@@ -46,6 +48,7 @@ const PROGRAMS: [(&str, &str); 7] = [
     ("gemm.cu", ""),
     ("attention.cu", ""),
     ("sample.cu", ""),
+    ("kv.cu", ""),
 ];
 
 // Indices into PROGRAMS of the modules that hold each kernel family.
@@ -55,6 +58,7 @@ const GEMV: usize = 1;
 const GEMM: usize = 4;
 const ATTENTION: usize = 5;
 const SAMPLE: usize = 6;
+const KV: usize = 7;
 
 /// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
 const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
@@ -77,7 +81,6 @@ pub(crate) struct Kernels {
     pub embed_f16: sys::CUfunction,
     pub norm_rows: sys::CUfunction,
     pub rope_kv: sys::CUfunction,
-    pub add_f32: sys::CUfunction,
     pub to_half: sys::CUfunction,
     pub swiglu: sys::CUfunction,
     pub argmax_f32: sys::CUfunction,
@@ -91,12 +94,17 @@ pub(crate) struct Kernels {
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
     pub linear_generic: sys::CUfunction,
-    /// `[dj index]`
+    /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
+    pub attention_q: [sys::CUfunction; 4],
+    pub kv_store: sys::CUfunction,
+    pub kv_move: sys::CUfunction,
+    pub h_dequant: sys::CUfunction,
+    pub h_finish: sys::CUfunction,
 }
 
 // SAFETY: CUmodules and CUfunctions are handles into a context that lives for the whole process
-// (driver::Gpu keeps it); the driver allows launching a function from any thread.
+// (gpu::Gpu keeps it); the driver allows launching a function from any thread.
 unsafe impl Send for Kernels {}
 // SAFETY: as above; the handles are never mutated after loading.
 unsafe impl Sync for Kernels {}
@@ -543,7 +551,6 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             embed_f16: get(ELEMENTWISE, "embed_f16")?,
             norm_rows: get(ELEMENTWISE, "norm_rows")?,
             rope_kv: get(ELEMENTWISE, "rope_kv")?,
-            add_f32: get(ELEMENTWISE, "add_f32")?,
             to_half: get(ELEMENTWISE, "to_half")?,
             swiglu: get(ELEMENTWISE, "swiglu")?,
             argmax_f32: get(ELEMENTWISE, "argmax_f32")?,
@@ -560,6 +567,16 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
                 get(ATTENTION, "attention_dj4")?,
                 get(ATTENTION, "attention_dj8")?,
             ],
+            attention_q: [
+                get(ATTENTION, "attention_q_dj1")?,
+                get(ATTENTION, "attention_q_dj2")?,
+                get(ATTENTION, "attention_q_dj4")?,
+                get(ATTENTION, "attention_q_dj8")?,
+            ],
+            kv_store: get(KV, "kv_store")?,
+            kv_move: get(KV, "kv_move")?,
+            h_dequant: get(KV, "h_dequant")?,
+            h_finish: get(KV, "h_finish")?,
         })
     })();
     if loaded.is_err() {
@@ -594,6 +611,7 @@ mod tests {
         assert_eq!(PROGRAMS[GEMM].0, "gemm.cu");
         assert_eq!(PROGRAMS[ATTENTION].0, "attention.cu");
         assert_eq!(PROGRAMS[SAMPLE].0, "sample.cu");
+        assert_eq!(PROGRAMS[KV].0, "kv.cu");
     }
 
     #[test]

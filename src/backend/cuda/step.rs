@@ -1,0 +1,159 @@
+//! The step block: the per-session device memory that holds the next step's token ids,
+//! position, sampling choice and KV age-tier bounds, which kernels (and captured graphs) read; and
+//! choosing the next token from it (argmax or sampling on the device).
+
+use cudarc::driver::result;
+
+use super::driver::{device_error, Arg, DevBuf};
+use super::graph::Graph;
+use super::{
+    CudaBackend, ARGMAX_BLOCKS, SCRATCH_ARGMAX_INDICES, SCRATCH_ARGMAX_TICKET,
+    SCRATCH_ARGMAX_VALUES,
+};
+use crate::backend::{Choice, StepInput};
+use crate::error::{Error, Result};
+use crate::generate::sampling::inv_temperature;
+use crate::kv::TierBounds;
+
+/// Step block header in i32 words (cuda/common.cuh `STEP_*`): start position, rows, chosen token,
+/// the sampling parameters and draw, the KV age-tier bounds; the token ids follow.
+const STEP_HEADER: usize = 10;
+const STEP_RESULT: usize = 2;
+/// Threads of the single block of the sampling kernel (cuda/sample.cu).
+const SAMPLE_THREADS: u32 = 1024;
+
+/// The step block of one session: header (start position, rows, chosen token, sampling
+/// parameters) and token ids in device memory, plus the decode graphs captured for it.
+pub struct CudaStep {
+    pub(super) buf: DevBuf,
+    max_rows: usize,
+    pub(super) rows: usize,
+    /// The start position of the staged step (also in the device block).
+    pub(super) start_pos: usize,
+    choice: Choice,
+    host: Vec<i32>,
+    pub(super) graphs: Vec<(u64, Graph)>,
+    /// A capture was begun and not ended (only if a panic cut the ops short): the stream is still
+    /// capturing and must be released before anything else runs on it.
+    pub(super) capturing: bool,
+}
+
+impl CudaBackend {
+    pub(super) fn new_step(&self, max_rows: usize) -> Result<CudaStep> {
+        Ok(CudaStep {
+            buf: self
+                .gpu
+                .zeroed((STEP_HEADER + max_rows) * 4, "step inputs")?,
+            max_rows,
+            rows: 0,
+            start_pos: 0,
+            choice: Choice::Greedy,
+            host: Vec::with_capacity(STEP_HEADER + max_rows),
+            graphs: Vec::new(),
+            capturing: false,
+        })
+    }
+
+    pub(super) fn stage_step(
+        &self,
+        step: &mut CudaStep,
+        input: StepInput,
+        tiers: TierBounds,
+    ) -> Result<()> {
+        if step.capturing {
+            self.abandon_capture(step);
+        }
+        self.check()?;
+        let rows = input.tokens.len();
+        if rows > step.max_rows {
+            return Err(Error::invalid(format!(
+                "step of {rows} rows exceeds the {} the buffers hold",
+                step.max_rows
+            )));
+        }
+        let start = i32::try_from(input.start_pos)
+            .map_err(|_| Error::invalid("start position exceeds i32"))?;
+        step.host.clear();
+        step.host.extend_from_slice(&[start, rows as i32, 0]);
+        step.host.extend_from_slice(&sampling_words(&input.choice));
+        let bound = |b: usize| i32::try_from(b).expect("tier bounds are below max_seq_len");
+        step.host
+            .extend_from_slice(&[bound(tiers.mid_end), bound(tiers.old_end)]);
+        step.choice = input.choice;
+        step.host.extend(input.tokens.iter().map(|&t| t as i32));
+        step.rows = rows;
+        step.start_pos = input.start_pos;
+        self.gpu.bind()?;
+        // SAFETY: the destination holds STEP_HEADER + max_rows i32 values and rows <= max_rows.
+        // The source is pageable host memory, which the driver stages before returning, so
+        // `step.host` may be reused at once; the copy is ordered before later work on the stream.
+        unsafe { result::memcpy_htod_async(step.buf.ptr, &step.host, self.stream.cu_stream()) }
+            .map_err(|e| device_error("staging the step", e))
+    }
+
+    pub(super) fn choose_token(&self, logits: &DevBuf, len: usize, step: &mut CudaStep) {
+        let result = step.buf.ptr + (STEP_RESULT * 4) as u64;
+        match step.choice {
+            Choice::Greedy => self.argmax_into(logits.ptr, len, result),
+            Choice::Sample { .. } => self.run(
+                "sample_token",
+                self.gpu.kernels.sample_token,
+                (1, 1, 1),
+                SAMPLE_THREADS,
+                0,
+                &[Arg::P(logits.ptr), Arg::usize(len), Arg::P(step.buf.ptr)],
+            ),
+        }
+    }
+
+    pub(super) fn read_chosen(&self, step: &CudaStep) -> Result<u32> {
+        let mut out = [0i32; 1];
+        self.gpu.bind()?;
+        // SAFETY: reads the 4-byte result slot of the step block into `out`.
+        unsafe {
+            result::memcpy_dtoh_async(
+                &mut out,
+                step.buf.ptr + (STEP_RESULT * 4) as u64,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| device_error("copying to the host", e))?;
+        self.sync()?;
+        Ok(out[0] as u32)
+    }
+
+    /// Enqueue the argmax of `len` values at `x` into the i32 at device address `result`.
+    pub(super) fn argmax_into(&self, x: u64, len: usize, result: u64) {
+        let blocks = len.div_ceil(1024).clamp(1, ARGMAX_BLOCKS);
+        let s = self.scratch.ptr;
+        self.run(
+            "argmax",
+            self.gpu.kernels.argmax_f32,
+            (blocks as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(x),
+                Arg::usize(len),
+                Arg::P(s + SCRATCH_ARGMAX_VALUES as u64),
+                Arg::P(s + SCRATCH_ARGMAX_INDICES as u64),
+                Arg::P(s + SCRATCH_ARGMAX_TICKET as u64),
+                Arg::P(result),
+            ],
+        );
+    }
+}
+
+/// The sampling words of the step header (`STEP_TOP_K` .. `STEP_DRAW_HI`); zero when greedy.
+fn sampling_words(choice: &Choice) -> [i32; 5] {
+    match choice {
+        Choice::Greedy => [0; 5],
+        Choice::Sample { params, draw } => [
+            params.top_k.min(i32::MAX as usize) as i32,
+            inv_temperature(params).to_bits() as i32,
+            params.top_p.to_bits() as i32,
+            *draw as u32 as i32,
+            (*draw >> 32) as u32 as i32,
+        ],
+    }
+}

@@ -1,0 +1,279 @@
+//! The KV cache: what a session keeps of every earlier position for every block application.
+//!
+//! * [`KvMode`] says what an entry is: K and V (f16, INT8, INT8 deltas along the loop-iteration
+//!   axis, or age-tiered deltas), or the block's normed attention input `h` (f16, INT8, INT4), from
+//!   which K and V are recomputed with the block's weights.
+//! * [`KvLayout`] is the one definition of where everything lives: the slot of each block
+//!   application, the tiers and their regions, and the bytes. Both backends allocate exactly what
+//!   it says and address it the same way, so a CPU cache and a GPU cache hold the same bytes.
+//! * [`KvCache`] is the object a session owns: layout, allocated slots, the age-tier boundaries,
+//!   and the backend's storage.
+//! * [`codec`] holds the reference quantizers, which the CUDA kernels reproduce bit for bit.
+
+pub mod codec;
+mod layout;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use layout::{
+    Application, Codes, KvLayout, KvSlot, Scales, Scratch, Tier, AGE_BLOCK, H_TILE, KV_DESC_WORDS,
+};
+
+use crate::error::{Error, Result};
+
+/// Token-age boundaries of AGE-KV (seed page 003): entries younger than `int4_from` tokens are
+/// INT8 deltas, older ones INT4 deltas with f16 scales, and from `fp8_from` on INT4 deltas with
+/// FP8 (E4M3) scales. Both are multiples of [`AGE_BLOCK`], and `int4_from < fp8_from`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgeTiers {
+    pub int4_from: usize,
+    pub fp8_from: usize,
+}
+
+impl Default for AgeTiers {
+    fn default() -> Self {
+        AgeTiers {
+            int4_from: 1024,
+            fp8_from: 4096,
+        }
+    }
+}
+
+impl AgeTiers {
+    pub fn validate(&self) -> Result<()> {
+        let (a, b) = (self.int4_from, self.fp8_from);
+        if a == 0 || !a.is_multiple_of(AGE_BLOCK) || !b.is_multiple_of(AGE_BLOCK) {
+            return Err(Error::invalid(format!(
+                "age tier boundaries must be positive multiples of {AGE_BLOCK}, got {a} and {b}"
+            )));
+        }
+        if a >= b {
+            return Err(Error::invalid(format!(
+                "age tier boundaries out of order: the INT4 boundary ({a}) must be below the FP8 \
+                 boundary ({b})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What the KV cache stores per position and block application (DESIGN.md §6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvMode {
+    /// K and V in f16.
+    #[default]
+    Fp16,
+    /// The attention input h in f16; K and V are recomputed from it.
+    Fp16H,
+    /// h in INT8 with an f16 scale per head-sized group.
+    Int8H,
+    /// h in INT4 with an f16 scale per head-sized group.
+    Int4H,
+    /// K and V in INT8 with an f16 scale per token and head.
+    Int8,
+    /// Like `Int8`, but loop iteration i > 1 stores K_i − K_{i−1} and V_i − V_{i−1}.
+    Delta,
+    /// Delta entries whose precision falls with their age (AGE-KV).
+    Age(AgeTiers),
+}
+
+/// The mode names, as accepted by [`KvMode::from_str`] and listed in errors.
+pub const KV_MODE_NAMES: [&str; 7] = ["fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age"];
+
+impl KvMode {
+    /// The default mode when a caller names none: `TINYLOOP_KV_INT8=1` selects `int8`,
+    /// `TINYLOOP_KV_DELTA=1` selects `delta` (the reference pages' variables), else `fp16`.
+    pub fn from_env() -> Result<KvMode> {
+        let on = |var: &str| matches!(std::env::var(var).as_deref(), Ok("1") | Ok("true"));
+        match (on("TINYLOOP_KV_INT8"), on("TINYLOOP_KV_DELTA")) {
+            (true, true) => Err(Error::invalid(
+                "TINYLOOP_KV_INT8 and TINYLOOP_KV_DELTA are both set: choose one KV mode",
+            )),
+            (true, false) => Ok(KvMode::Int8),
+            (false, true) => Ok(KvMode::Delta),
+            (false, false) => Ok(KvMode::Fp16),
+        }
+    }
+
+    /// Whether entries hold the attention input h (K and V are recomputed from it).
+    pub fn stores_input(&self) -> bool {
+        matches!(self, KvMode::Fp16H | KvMode::Int8H | KvMode::Int4H)
+    }
+
+    /// Whether loop iterations after the first store deltas against the previous iteration.
+    pub fn is_delta(&self) -> bool {
+        matches!(self, KvMode::Delta | KvMode::Age(_))
+    }
+
+    /// Whether a decode step can be captured as one graph: not when K and V are recomputed from
+    /// h, since that work grows with the position.
+    pub fn graph_capturable(&self) -> bool {
+        !self.stores_input()
+    }
+}
+
+impl fmt::Display for KvMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KvMode::Fp16 => f.write_str("fp16"),
+            KvMode::Fp16H => f.write_str("fp16-h"),
+            KvMode::Int8H => f.write_str("int8-h"),
+            KvMode::Int4H => f.write_str("int4-h"),
+            KvMode::Int8 => f.write_str("int8"),
+            KvMode::Delta => f.write_str("delta"),
+            KvMode::Age(t) if *t == AgeTiers::default() => f.write_str("age"),
+            KvMode::Age(t) => write!(f, "age:{}:{}", t.int4_from, t.fp8_from),
+        }
+    }
+}
+
+impl FromStr for KvMode {
+    type Err = Error;
+
+    /// `fp16`, `fp16-h`, `int8-h`, `int4-h`, `int8`, `delta`, `age`, or `age:A:B` (AGE-KV with
+    /// INT4 from age A and FP8 scales from age B).
+    fn from_str(s: &str) -> Result<KvMode> {
+        let mode = match s {
+            "fp16" => KvMode::Fp16,
+            "fp16-h" => KvMode::Fp16H,
+            "int8-h" => KvMode::Int8H,
+            "int4-h" => KvMode::Int4H,
+            "int8" => KvMode::Int8,
+            "delta" => KvMode::Delta,
+            "age" => KvMode::Age(AgeTiers::default()),
+            _ => match s
+                .strip_prefix("age:")
+                .map(|r| r.split(':').collect::<Vec<_>>())
+            {
+                Some(parts) if parts.len() == 2 => {
+                    let number = |p: &str| {
+                        p.parse::<usize>().map_err(|_| {
+                            Error::invalid(format!("KV mode {s:?}: {p:?} is not an age in tokens"))
+                        })
+                    };
+                    KvMode::Age(AgeTiers {
+                        int4_from: number(parts[0])?,
+                        fp8_from: number(parts[1])?,
+                    })
+                }
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "unknown KV mode {s:?}; the modes are {} (and age:A:B)",
+                        KV_MODE_NAMES.join(", ")
+                    )))
+                }
+            },
+        };
+        if let KvMode::Age(tiers) = mode {
+            tiers.validate()?;
+        }
+        Ok(mode)
+    }
+}
+
+/// Age-tier boundaries in positions: positions below `old_end` are in the FP8-scale tier, those
+/// below `mid_end` in the INT4 tier, the rest in the INT8 tier. Always zero outside `age` mode.
+/// Both only grow within a sequence, and are multiples of [`AGE_BLOCK`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierBounds {
+    pub mid_end: usize,
+    pub old_end: usize,
+}
+
+/// A range of positions whose entries move from one tier to a lower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierMove {
+    pub from: usize,
+    pub to: usize,
+    pub first: usize,
+    pub end: usize,
+}
+
+/// The KV cache of one session: its layout, the slots allocated so far, the age-tier bounds, and
+/// the backend's storage (zeroed at allocation).
+pub struct KvCache<S> {
+    pub layout: KvLayout,
+    pub slots: usize,
+    pub bounds: TierBounds,
+    pub storage: S,
+}
+
+impl<S> KvCache<S> {
+    /// Bytes of device memory this cache holds (the layout's count, which the backends allocate
+    /// exactly).
+    pub fn bytes(&self) -> usize {
+        self.layout.bytes(self.slots)
+    }
+
+    /// Advance the tier bounds for a step that writes positions `start..end` and return the moves
+    /// to make first (entries of positions below `start` that changed tier). A step at position
+    /// 0 starts a new sequence.
+    pub fn advance_tiers(&mut self, start: usize, end: usize) -> Vec<TierMove> {
+        if start == 0 {
+            self.bounds = TierBounds::default();
+        }
+        let KvMode::Age(tiers) = self.layout.mode else {
+            return Vec::new();
+        };
+        let old = self.bounds;
+        let floor = |n: usize| n / AGE_BLOCK * AGE_BLOCK;
+        let new = TierBounds {
+            mid_end: old.mid_end.max(floor(end.saturating_sub(tiers.int4_from))),
+            old_end: old.old_end.max(floor(end.saturating_sub(tiers.fp8_from))),
+        };
+        self.bounds = new;
+        // Positions at or after `start` are written by this step straight into their tier.
+        let mut moves = Vec::new();
+        let mut push = |from, to, first: usize, end_: usize| {
+            let end_ = end_.min(start);
+            if first < end_ {
+                moves.push(TierMove {
+                    from,
+                    to,
+                    first,
+                    end: end_,
+                });
+            }
+        };
+        push(1, 2, old.old_end, old.mid_end.min(new.old_end));
+        push(0, 2, old.mid_end, new.old_end);
+        push(0, 1, old.mid_end.max(new.old_end), new.mid_end);
+        moves
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_print_round_trip() {
+        for name in KV_MODE_NAMES {
+            assert_eq!(name.parse::<KvMode>().unwrap().to_string(), name);
+        }
+        let custom: KvMode = "age:64:128".parse().unwrap();
+        assert_eq!(
+            custom,
+            KvMode::Age(AgeTiers {
+                int4_from: 64,
+                fp8_from: 128
+            })
+        );
+        assert_eq!(custom.to_string(), "age:64:128");
+    }
+
+    #[test]
+    fn bad_modes_say_what_is_accepted() {
+        let err = "int3".parse::<KvMode>().unwrap_err().to_string();
+        for name in KV_MODE_NAMES {
+            assert!(err.contains(name), "{err}");
+        }
+        let err = "age:4096:1024".parse::<KvMode>().unwrap_err().to_string();
+        assert!(err.contains("out of order"), "{err}");
+        let err = "age:100:200".parse::<KvMode>().unwrap_err().to_string();
+        assert!(err.contains("multiples of 64"), "{err}");
+        assert!("age:64".parse::<KvMode>().is_err());
+        assert!("age:x:128".parse::<KvMode>().is_err());
+    }
+}
