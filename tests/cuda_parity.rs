@@ -905,9 +905,15 @@ fn prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Score parity at loops 1, 4, 8 for every bit width in KV mode `mode`; records failures.
+/// Score parity at loops 1, 4, 8 for every bit width (INT4 only outside the fp16 mode: the KV
+/// mode does not touch the weights) in KV mode `mode`; records failures.
 fn score_parity(name: &str, group: usize, seq: usize, mode: KvMode, failures: &mut Vec<String>) {
-    for bits in [4, 2, 16] {
+    let bits_list: &[u32] = if mode == KvMode::Fp16 {
+        &[4, 2, 16]
+    } else {
+        &[4]
+    };
+    for &bits in bits_list {
         let path = synth(name, bits, group);
         let cpu = open_in(&path, Device::Cpu, 128, mode);
         let gpu = open_in(&path, Device::Cuda(0), 128, mode);
@@ -1045,7 +1051,12 @@ fn generate_parity(
     mode: KvMode,
     failures: &mut Vec<String>,
 ) {
-    for bits in [4, 2, 16] {
+    let bits_list: &[u32] = if mode == KvMode::Fp16 {
+        &[4, 2, 16]
+    } else {
+        &[4]
+    };
+    for &bits in bits_list {
         let path = synth(name, bits, group);
         let max_seq = prompt_len + new_tokens + 8;
         let cpu = open_in(&path, Device::Cpu, max_seq, mode);
