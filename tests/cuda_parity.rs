@@ -510,8 +510,9 @@ fn kv_ops_on<B: Probe>(
 
 /// Every KV mode, op by op: the same inputs give the same cache bytes on both backends (the
 /// quantizers are specified operation by operation, kv::codec), and attention outputs within
-/// `OP_TOL` (f32 reordering and f16 rounding, as for the other ops; the h modes recompute K and
-/// V with a product whose order differs, one more f16 rounding of the same kind).
+/// `OP_TOL` (f32 reordering and f16 rounding, as for the other ops); the h modes recompute K and
+/// V with a product whose order differs and round them to f16, a second rounding stage, so
+/// `CHAIN_TOL`.
 #[test]
 fn cuda_kv_modes_match_cpu() {
     if !cuda_or_skip("cuda_kv_modes_match_cpu") {
@@ -522,6 +523,13 @@ fn cuda_kv_modes_match_cpu() {
     let mut rng = Rng::new(13);
     for mode in MODES {
         let mode: KvMode = mode.parse().unwrap();
+        // The h modes round the recomputed K and V to f16 before attention rounds its output:
+        // two rounding stages, as for a norm fused into a GEMV.
+        let tol = if mode.stores_input() {
+            CHAIN_TOL
+        } else {
+            OP_TOL
+        };
         let mut worst = 0f64;
         let shapes: &[(usize, usize, usize)] = if quick() {
             &[(4, 2, 16), (16, 16, 128)]
@@ -589,7 +597,7 @@ fn cuda_kv_modes_match_cpu() {
                 let e = rel(ga, ca);
                 worst = worst.max(e);
                 assert!(
-                    e <= OP_TOL,
+                    e <= tol,
                     "{mode} attention heads {heads:?} step {} iteration {}: rel error {e:.3e}",
                     i / 2,
                     i % 2 + 1
@@ -598,7 +606,7 @@ fn cuda_kv_modes_match_cpu() {
         }
         report(&format!(
             "op kv {mode:10}: cache bytes identical, attention worst rel error {worst:.2e} \
-             (tol {OP_TOL:.0e})"
+             (tol {tol:.1e})"
         ));
     }
 }
@@ -1093,11 +1101,14 @@ fn generate_parity(
                             2.0 * tol * norm
                         ));
                     }
-                    format!(
-                        "differ at {i} after a near tie (margin {margin:.2e} <= {:.2e}): {}",
-                        2.0 * tol * norm,
-                        if near_tie { "allowed" } else { "FAIL" }
-                    )
+                    let bound = 2.0 * tol * norm;
+                    if near_tie {
+                        format!(
+                            "differ at {i} after a near tie (margin {margin:.2e} <= {bound:.2e})"
+                        )
+                    } else {
+                        format!("differ at {i}, margin {margin:.2e} > {bound:.2e}: FAIL")
+                    }
                 }
             };
             report(&format!(

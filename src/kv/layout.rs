@@ -371,7 +371,8 @@ impl KvLayout {
 
     /// The layout as i64 words for the CUDA kernels (cuda/kv.cuh `KvDesc`): slot bytes, entry
     /// width, groups, group size, tiers, tensors; then per tier (three, unused ones zero): ring,
-    /// codes, scales, row bytes, scale-row bytes, and the K (or h) and V region offsets.
+    /// codes, scales, row bytes, scale-row bytes, the codes offsets of K (or h) and V, and their
+    /// scales offsets.
     pub fn descriptor(&self) -> [i64; KV_DESC_WORDS] {
         let (width, groups) = self.entry_shape();
         let mut d = [0i64; KV_DESC_WORDS];
@@ -394,8 +395,8 @@ impl KvLayout {
                 t.row_bytes,
                 t.scale_row_bytes,
                 t.regions[0].codes,
-                t.regions[0].scales,
                 t.regions[1].codes,
+                t.regions[0].scales,
                 t.regions[1].scales,
             ];
             for (w, v) in d[6 + 9 * i..].iter_mut().zip(words) {
