@@ -510,9 +510,11 @@ fn kv_ops_on<B: Probe>(
 
 /// Every KV mode, op by op: the same inputs give the same cache bytes on both backends (the
 /// quantizers are specified operation by operation, kv::codec), and attention outputs within
-/// `OP_TOL` (f32 reordering and f16 rounding, as for the other ops); the h modes recompute K and
-/// V with a product whose order differs and round them to f16, a second rounding stage, so
-/// `CHAIN_TOL`.
+/// `OP_TOL` over all steps of a head shape (f32 reordering and f16 rounding, as for the other
+/// ops; `2 · OP_TOL` in the h modes, which recompute K and V with a product summed in another
+/// order and round them to f16 first: a second rounding stage of the same kind). A single step's
+/// output is as small as 64 values, where one flipped f16 rounding is already 6·10⁻⁵; per step the
+/// bound is `CHAIN_TOL`, i.e. no value moves by much more than one f16 ulp.
 #[test]
 fn cuda_kv_modes_match_cpu() {
     if !cuda_or_skip("cuda_kv_modes_match_cpu") {
@@ -524,13 +526,13 @@ fn cuda_kv_modes_match_cpu() {
     for mode in MODES {
         let mode: KvMode = mode.parse().unwrap();
         // The h modes round the recomputed K and V to f16 before attention rounds its output:
-        // two rounding stages, as for a norm fused into a GEMV.
+        // two rounding stages.
         let tol = if mode.stores_input() {
-            CHAIN_TOL
+            2.0 * OP_TOL
         } else {
             OP_TOL
         };
-        let mut worst = 0f64;
+        let (mut worst, mut overall) = (0f64, 0f64);
         let shapes: &[(usize, usize, usize)] = if quick() {
             &[(4, 2, 16), (16, 16, 128)]
         } else {
@@ -597,16 +599,22 @@ fn cuda_kv_modes_match_cpu() {
                 let e = rel(ga, ca);
                 worst = worst.max(e);
                 assert!(
-                    e <= tol,
+                    e <= CHAIN_TOL,
                     "{mode} attention heads {heads:?} step {} iteration {}: rel error {e:.3e}",
                     i / 2,
                     i % 2 + 1
                 );
             }
+            let e = rel(&g.concat(), &c.concat());
+            assert!(
+                e <= tol,
+                "{mode} attention heads {heads:?}: rel error {e:.3e} overall"
+            );
+            overall = overall.max(e);
         }
         report(&format!(
-            "op kv {mode:10}: cache bytes identical, attention worst rel error {worst:.2e} \
-             (tol {tol:.1e})"
+            "op kv {mode:10}: cache bytes identical, attention rel error {overall:.2e} overall \
+             (tol {tol:.0e}), worst step {worst:.2e} (tol {CHAIN_TOL:.1e})"
         ));
     }
 }
