@@ -160,16 +160,20 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
+        // Quantized entries: this lane's position's tier and ring index, which the V loop below
+        // takes from this lane for every position of the chunk.
+        const int tier = Q && t < t_end ? kv_tier_of(t, step) : 0;
+        const int ring_t = Q && t < t_end ? kv_ring(t, st[tier].ring) : 0;
         if (Q && t < t_end) {
-            const KvTierDesc& tr = st[kv_tier_of(t, step)];
+            const KvTierDesc& tr = st[tier];
             const int gb = kv_group_bytes((int)tr.codes, hd);
+            const u8* k0 = qk.base + tr.codes_off[0] + ring_t * tr.row_bytes + (size_t)kvh * gb;
+            const u8* s0 = qk.base + tr.scales_off[0] + ring_t * tr.scale_row_bytes;
             float dot = 0.0f;
             for (int j = 0; j < qk.count; j++) {
-                const int sl = qk.first + j * qk.stride;
-                const u8* k = kv_codes(qk.base, qk.d, tr, 0, sl, t) + (size_t)kvh * gb;
-                const float ks = kv_scale_value(kv_scales(qk.base, qk.d, tr, 0, sl, t), kvh,
-                                                (int)tr.scales);
-                dot = fmaf(ks, dot_codes(sq, k, hd, (int)tr.codes, (hd & 31) == 0), dot);
+                const long long slot_at = (long long)(qk.first + j * qk.stride) * qk.d.slot_bytes;
+                const float ks = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
+                dot = fmaf(ks, dot_codes(sq, k0 + slot_at, hd, (int)tr.codes, (hd & 31) == 0), dot);
             }
             score = __fmul_rn(dot, scale);
         } else if (!Q && t < t_end) {
@@ -212,19 +216,22 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             float v[8][DJ];
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
-                const int tv = t0 + j0 + jj;
-                const KvTierDesc& tr = st[kv_tier_of(min(tv, t_end - 1), step)];
+                const int from = (j0 + jj) & 31;
+                const KvTierDesc& tr = st[__shfl_sync(0xffffffffu, tier, from)];
+                const int ring_v = __shfl_sync(0xffffffffu, ring_t, from);
+                const u8* v0 = qk.base + tr.codes_off[1] + ring_v * tr.row_bytes;
+                const u8* s0 = qk.base + tr.scales_off[1] + ring_v * tr.scale_row_bytes;
 #pragma unroll
                 for (int j = 0; j < DJ; j++) v[jj][j] = 0.0f;
                 for (int c = 0; c < qk.count && j0 + jj < count; c++) {
-                    const int sl = qk.first + c * qk.stride;
-                    const u8* vr = kv_codes(qk.base, qk.d, tr, 1, sl, tv);
-                    const float vs = kv_scale_value(kv_scales(qk.base, qk.d, tr, 1, sl, tv), kvh,
-                                                    (int)tr.scales);
+                    const long long slot_at =
+                        (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
+                    const float vs = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
 #pragma unroll
                     for (int j = 0; j < DJ; j++) {
                         const int d = lane + 32 * j;
-                        if (d < hd) v[jj][j] += vs * kv_code(vr, kvh * hd + d, (int)tr.codes);
+                        if (d < hd)
+                            v[jj][j] += vs * kv_code(v0 + slot_at, kvh * hd + d, (int)tr.codes);
                     }
                 }
             }

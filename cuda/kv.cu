@@ -63,8 +63,15 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
             }
             float x = tensor == 0 ? rotated(head, i, hd, table) : head[i];
             float prev = 0.0f;
-            for (int j = 0; j + 1 < count; j++)
-                prev += kv_value(base, d, tr, tensor, first + j * stride, pos, g, g * hd + i);
+            if (count > 1) {
+                const u8* c0 = kv_codes(base, d, tr, tensor, first, pos);
+                const u8* s0 = kv_scales(base, d, tr, tensor, first, pos);
+                for (int j = 0; j + 1 < count; j++) {
+                    const long long at = (long long)j * stride * d.slot_bytes;
+                    const float s = kv_scale_value(s0 + at, g, (int)tr.scales);
+                    prev += s * kv_code(c0 + at, g * hd + i, (int)tr.codes);
+                }
+            }
             v[k] = count > 1 ? __fsub_rn(x, prev) : x;
         }
         kv_encode(v, hd, g, kv_codes(base, d, tr, tensor, own, pos),

@@ -29,12 +29,20 @@ DEV int kv_tier_of(int t, const int* step) {
     return t < step[STEP_OLD_END] ? 2 : (t < step[STEP_MID_END] ? 1 : 0);
 }
 
+// Ring index of position t in a tier of `ring` positions: no division unless the ring wraps
+// (only the age tiers do).
+DEV int kv_ring(int t, long long ring) {
+    const int r = (int)ring;
+    return t < r ? t : t % r;
+}
+
 DEV u8* kv_codes(u8* base, const KvDesc& d, const KvTierDesc& tr, int tensor, int slot, int t) {
-    return base + slot * d.slot_bytes + tr.codes_off[tensor] + (t % tr.ring) * tr.row_bytes;
+    return base + slot * d.slot_bytes + tr.codes_off[tensor] + kv_ring(t, tr.ring) * tr.row_bytes;
 }
 
 DEV u8* kv_scales(u8* base, const KvDesc& d, const KvTierDesc& tr, int tensor, int slot, int t) {
-    return base + slot * d.slot_bytes + tr.scales_off[tensor] + (t % tr.ring) * tr.scale_row_bytes;
+    return base + slot * d.slot_bytes + tr.scales_off[tensor] +
+           kv_ring(t, tr.ring) * tr.scale_row_bytes;
 }
 
 // Bytes of one group's codes within a row.
