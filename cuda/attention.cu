@@ -68,28 +68,35 @@ struct QuantKv {
     int first, count, stride;
 };
 
-// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes.
+// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes. With
+// `vec` (hd a multiple of 32) every 16-byte word of the row is loaded before the first product,
+// so the row costs one memory latency: at most 2 * DJ words of INT8 codes (hd <= 32 * DJ).
+template <int DJ>
 DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
     float dot = 0.0f;
-    if (vec && codes == KV_I8) {
-        for (int c = 0; c < hd / 16; c++) {
-            const uint4 w = *(const uint4*)(k + 16 * c);
-            const u32 words[4] = {w.x, w.y, w.z, w.w};
+    if (!vec) {
+        for (int i = 0; i < hd; i++) dot = fmaf(sq[i], kv_code(k, i, codes), dot);
+        return dot;
+    }
+    const int words = codes == KV_I8 ? hd / 16 : hd / 32;
+    uint4 w[2 * DJ];
+#pragma unroll
+    for (int c = 0; c < 2 * DJ; c++)
+        w[c] = c < words ? *(const uint4*)(k + 16 * c) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int c = 0; c < 2 * DJ; c++) {
+        if (c >= words) break;
+        const u32 ws[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+        if (codes == KV_I8) {
 #pragma unroll
             for (int b = 0; b < 16; b++)
-                dot = fmaf(sq[16 * c + b], (float)(signed char)(words[b >> 2] >> (8 * (b & 3))), dot);
-        }
-    } else if (vec && codes == KV_I4) {
-        for (int c = 0; c < hd / 32; c++) {
-            const uint4 w = *(const uint4*)(k + 16 * c);
-            const u32 words[4] = {w.x, w.y, w.z, w.w};
+                dot = fmaf(sq[16 * c + b], (float)(signed char)(ws[b >> 2] >> (8 * (b & 3))), dot);
+        } else {
 #pragma unroll
             for (int b = 0; b < 32; b++)
-                dot = fmaf(sq[32 * c + b], (float)((int)((words[b >> 3] >> (4 * (b & 7))) & 15u) - 8),
+                dot = fmaf(sq[32 * c + b], (float)((int)((ws[b >> 3] >> (4 * (b & 7))) & 15u) - 8),
                            dot);
         }
-    } else {
-        for (int i = 0; i < hd; i++) dot = fmaf(sq[i], kv_code(k, i, codes), dot);
     }
     return dot;
 }
@@ -104,6 +111,10 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][32 * DJ];
     __shared__ KvTierDesc st[3];
+    // Quantized entries: where each warp's 32 positions keep V (byte offsets of codes and
+    // scales, and the tier's kinds), written by the lane that owns the position.
+    __shared__ long long v_codes[ATT_WARPS][32], v_scales[ATT_WARPS][32];
+    __shared__ int v_kinds[ATT_WARPS][32];
     if (Q && threadIdx.x < 3) st[threadIdx.x] = qk.d.tier[threadIdx.x];
     kernel_start();
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
@@ -160,12 +171,9 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
-        // Quantized entries: this lane's position's tier and ring index, which the V loop below
-        // takes from this lane for every position of the chunk.
-        const int tier = Q && t < t_end ? kv_tier_of(t, step) : 0;
-        const int ring_t = Q && t < t_end ? kv_ring(t, st[tier].ring) : 0;
         if (Q && t < t_end) {
-            const KvTierDesc& tr = st[tier];
+            const KvTierDesc& tr = st[kv_tier_of(t, step)];
+            const int ring_t = kv_ring(t, tr.ring);
             const int gb = kv_group_bytes((int)tr.codes, hd);
             const u8* k0 = qk.base + tr.codes_off[0] + ring_t * tr.row_bytes + (size_t)kvh * gb;
             const u8* s0 = qk.base + tr.scales_off[0] + ring_t * tr.scale_row_bytes;
@@ -173,9 +181,13 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             for (int j = 0; j < qk.count; j++) {
                 const long long slot_at = (long long)(qk.first + j * qk.stride) * qk.d.slot_bytes;
                 const float ks = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
-                dot = fmaf(ks, dot_codes(sq, k0 + slot_at, hd, (int)tr.codes, (hd & 31) == 0), dot);
+                dot = fmaf(ks, dot_codes<DJ>(sq, k0 + slot_at, hd, (int)tr.codes, (hd & 31) == 0),
+                           dot);
             }
             score = __fmul_rn(dot, scale);
+            v_codes[warp][lane] = tr.codes_off[1] + ring_t * tr.row_bytes;
+            v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
+            v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
         } else if (!Q && t < t_end) {
             const f16_t* k = t == own ? sk : K + (size_t)t * kv_dim;
             float dot = 0.0f;
@@ -212,28 +224,37 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         for (int j = 0; j < DJ; j++) acc[j] *= corr;
         const int count = min(32, t_end - t0);
         // p * v over the chunk's positions, eight positions' loads in flight at a time.
+        if (Q) __syncwarp();
         for (int j0 = 0; Q && j0 < count; j0 += 8) {
+            // The chain's entries of eight positions: every load of one chain slot is issued
+            // before the first is used.
             float v[8][DJ];
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++) {
-                const int from = (j0 + jj) & 31;
-                const KvTierDesc& tr = st[__shfl_sync(0xffffffffu, tier, from)];
-                const int ring_v = __shfl_sync(0xffffffffu, ring_t, from);
-                const u8* v0 = qk.base + tr.codes_off[1] + ring_v * tr.row_bytes;
-                const u8* s0 = qk.base + tr.scales_off[1] + ring_v * tr.scale_row_bytes;
+            for (int jj = 0; jj < 8; jj++)
 #pragma unroll
                 for (int j = 0; j < DJ; j++) v[jj][j] = 0.0f;
-                for (int c = 0; c < qk.count && j0 + jj < count; c++) {
-                    const long long slot_at =
-                        (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
-                    const float vs = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
+            for (int c = 0; c < qk.count; c++) {
+                const long long slot_at = (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
+                float vs[8], code[8][DJ];
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++) {
+                    const int pj = (j0 + jj) & 31;
+                    const bool valid = j0 + jj < count;
+                    const int kinds = v_kinds[warp][pj];
+                    const u8* vr = qk.base + v_codes[warp][pj] + slot_at;
+                    vs[jj] = valid ? kv_scale_value(qk.base + v_scales[warp][pj] + slot_at, kvh,
+                                                    kinds >> 4)
+                                   : 0.0f;
 #pragma unroll
                     for (int j = 0; j < DJ; j++) {
                         const int d = lane + 32 * j;
-                        if (d < hd)
-                            v[jj][j] += vs * kv_code(v0 + slot_at, kvh * hd + d, (int)tr.codes);
+                        code[jj][j] = valid && d < hd ? kv_code(vr, kvh * hd + d, kinds & 15) : 0.0f;
                     }
                 }
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+                    for (int j = 0; j < DJ; j++) v[jj][j] += vs[jj] * code[jj][j];
             }
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
@@ -244,6 +265,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 }
             }
         }
+        if (Q) __syncwarp();
         for (int j0 = 0; !Q && j0 < count; j0 += 8) {
             f16_t v[8][DJ];
 #pragma unroll
