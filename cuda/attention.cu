@@ -61,7 +61,8 @@ DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
 }
 
 // Where a quantized launch reads its entries: the cache bytes, their layout, and the chain of
-// slots whose entries sum to the application's K and V.
+// slots whose entries sum to the application's K and V. Kernels take it as a __grid_constant__
+// parameter, so reading it through a reference costs no per-thread copy.
 struct QuantKv {
     u8* base;
     KvDesc d;
@@ -348,7 +349,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_q_dj##DJ(                  \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        int splits, f16_t* out, float* partial, int* tickets, const QuantKv qk) {                  \
+        int splits, f16_t* out, float* partial, int* tickets, const __grid_constant__ QuantKv qk) { \
         attention<DJ, true>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr, 0, 0,     \
                             splits, out, partial, tickets, nullptr, qk);                           \
     }

@@ -21,7 +21,7 @@ DEV float rotated(const float* x, int i, int hd, const float* table) {
 extern "C" __global__ void __launch_bounds__(KV_THREADS)
     kv_store(float* __restrict__ qkv, const f16_t* __restrict__ h, const int* __restrict__ step,
              int n_heads, int n_kv_heads, int hd, const float* __restrict__ rope, u8* base,
-             const KvDesc d, int first, int count, int stride) {
+             const __grid_constant__ KvDesc d, int first, int count, int stride) {
     __shared__ float red[32];
     __shared__ float head[2 * KV_THREADS];
     kernel_start();
@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
 // iteration order against the new encoding of its earlier iterations (closed loop), as
 // cpu/kv.rs `move_tier`. KV_THREADS threads.
 extern "C" __global__ void __launch_bounds__(KV_THREADS)
-    kv_move(u8* base, const KvDesc d, int first_pos, int from, int to, int n_single,
+    kv_move(u8* base, const __grid_constant__ KvDesc d, int first_pos, int from, int to, int n_single,
             int iterations, int n_loop) {
     __shared__ float red[32];
     kernel_start();
@@ -117,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
 // The cached h of positions p0 + blockIdx.x of `slot`, dequantized and rounded to f16, into row
 // blockIdx.x of `out` (width d.width). grid (rows, n_heads), KV_THREADS threads.
 extern "C" __global__ void __launch_bounds__(KV_THREADS)
-    h_dequant(u8* base, const KvDesc d, int slot, int p0, f16_t* __restrict__ out) {
+    h_dequant(u8* base, const __grid_constant__ KvDesc d, int slot, int p0, f16_t* __restrict__ out) {
     kernel_start();
     const int t = p0 + blockIdx.x, g = blockIdx.y, n = (int)d.group_size;
     const KvTierDesc tr = d.tier[0];
