@@ -116,7 +116,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     // scales, and the tier's kinds), written by the lane that owns the position.
     __shared__ long long v_codes[ATT_WARPS][32], v_scales[ATT_WARPS][32];
     __shared__ int v_kinds[ATT_WARPS][32];
-    if (Q && threadIdx.x < 3) st[threadIdx.x] = qk.d.tier[threadIdx.x];
+    if (Q && threadIdx.x < 3) st[threadIdx.x] = kv_tier(qk.d, threadIdx.x);
     kernel_start();
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

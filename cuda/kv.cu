@@ -31,7 +31,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
     float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
     const float* table = rope + (size_t)pos * hd;
     const int tier = kv_tier_of(pos, step);
-    const KvTierDesc tr = d.tier[tier];
+    const KvTierDesc tr = kv_tier(d, tier);
     const int own = first + (count - 1) * stride;
     float v[2], stored[2];
     if (y < n_heads) {
@@ -95,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
     // Pre and post slots are 0..n_single; loop block b's first iteration is slot n_single + b.
     const int first = c;
     const int count = c < n_single ? 1 : iterations;
-    const KvTierDesc src = d.tier[from], dst = d.tier[to];
+    const KvTierDesc src = kv_tier(d, from), dst = kv_tier(d, to);
     for (int tensor = 0; tensor < 2; tensor++) {
         float old_sum[2] = {0.0f, 0.0f}, new_sum[2] = {0.0f, 0.0f};
         for (int j = 0; j < count; j++) {

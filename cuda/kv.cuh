@@ -24,6 +24,12 @@ struct KvDesc {
     KvTierDesc tier[3];
 };
 
+// Tier `i` of the layout. Indexing the parameter with a run-time index would copy the whole
+// struct to the stack of every thread; selecting among constant indices does not.
+DEV KvTierDesc kv_tier(const KvDesc& d, int i) {
+    return i == 0 ? d.tier[0] : (i == 1 ? d.tier[1] : d.tier[2]);
+}
+
 // The tier of position t under the step's age-tier bounds.
 DEV int kv_tier_of(int t, const int* step) {
     return t < step[STEP_OLD_END] ? 2 : (t < step[STEP_MID_END] ? 1 : 0);
