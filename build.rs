@@ -1,6 +1,7 @@
 //! Generates the C header from src/ffi with cbindgen into OUT_DIR/tinyloop.h. The checked-in
 //! include/tinyloop.h must equal it: tests/header.rs compares the two (the path of the generated
 //! header reaches the test through the TINYLOOP_GENERATED_HEADER compile-time variable).
+//! On Linux it also gives libtinyloop.so its soname.
 
 fn main() {
     println!("cargo:rerun-if-changed=src/ffi");
@@ -20,4 +21,9 @@ fn main() {
         .expect("cbindgen can parse src/ffi")
         .write_to_file(&header);
     println!("cargo:rustc-env=TINYLOOP_GENERATED_HEADER={header}");
+    // Programs linked against the library by path (CMake's imported targets do that) then record
+    // `libtinyloop.so`, found through their run path, instead of the path at link time.
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libtinyloop.so");
+    }
 }

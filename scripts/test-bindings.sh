@@ -6,18 +6,26 @@
 #   c-static   the same example linked against libtinyloop.a, run
 #   c-abi      tests/c/abi_test.c (the bad-input table of docs/ABI.md, threads, cancellation)
 #   valgrind   memcheck on the C example: no errors, no definite leaks
-#   python     pip install bindings/python (in a venv) + pytest (binding tests, NumPy reference check)
-#   go         go vet + go test in bindings/go
+#   install    scripts/install into a prefix outside the repository (the steps below use it)
+#   python     the wheel (pip wheel bindings/python) installed into a fresh venv; its tests run
+#              from a folder outside the repository, then the NumPy reference check
+#   go         go vet + go test in bindings/go (through pkg-config and the installed prefix)
 #   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
+#   consumers  tests/consumers built outside the repository against the installed prefix: C with
+#              pkg-config, C/C++ with find_package(tinyloop), Go from a copy of the module, and
+#              C++ with add_subdirectory(bindings/cpp); each generates text from
+#              models/demo.tinyloop
 #   valgrind-abi  (optional, not in the default set: ~1 min) memcheck on the C ABI test
 #
 # Usage: scripts/test-bindings.sh [STEP...]     (default: all steps but valgrind-abi)
 #
 # Uses target/release/{libtinyloop.so,libtinyloop.a,tinyloop}; runs `cargo build --release`
 # first when cargo is available (a no-op when up to date), else expects them to exist
-# (TINYLOOP_TARGET_DIR overrides target/release). Missing system tools are installed with
-# apt-get only when running as root with CI=true; numpy and pytest are pip-installed when missing.
-# Exits non-zero when any step fails; every step runs regardless, and a summary ends the output.
+# (TINYLOOP_TARGET_DIR overrides target/release for the C steps). Missing system tools are
+# installed with apt-get only when running as root with CI=true; the python step pip-installs
+# numpy and pytest into its venv, and the NVRTC wheels (scripts/nvrtc-wheels) are fetched for the
+# precompiled kernels. Exits non-zero when any step fails; every step runs regardless, and a
+# summary ends the output.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,8 +34,14 @@ REL="${TINYLOOP_TARGET_DIR:-$ROOT/target/release}"
 WORK="$ROOT/target/bindings-test"
 mkdir -p "$WORK"
 CC="${CC:-cc}"
+# Installs, venvs and consumer projects live outside the repository, as a user's would.
+OUTSIDE="$(mktemp -d "${TMPDIR:-/tmp}/tinyloop-bindings.XXXXXX")"
+trap 'rm -rf "$OUTSIDE"' EXIT
+PREFIX="$OUTSIDE/prefix"
+# Kernels compiled for the install are reused by the wheel build.
+export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
-ALL_STEPS=(header c-so c-static c-abi valgrind python go cpp)
+ALL_STEPS=(header c-so c-static c-abi valgrind install python go cpp consumers)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
 declare -A RESULT=()
@@ -50,7 +64,9 @@ if wants cpp; then
     fi
 fi
 { wants valgrind || wants valgrind-abi; } && need valgrind valgrind
-wants go && need go golang-go
+{ wants go || wants consumers; } && need go golang-go
+{ wants install || wants go || wants consumers; } && need pkg-config pkg-config
+wants consumers && need cmake cmake && need g++ g++
 if wants python; then
     need python3 python3
     python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing_pkgs+=(python3-venv python3-pip)
@@ -145,48 +161,49 @@ step_valgrind_abi() {
     [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/valgrind-abi.log"; return 1; }
 }
 
+step_install() {
+    rm -rf "$PREFIX" && scripts/install "$PREFIX"
+}
+
+# The prefix of the install step, made now when that step did not run.
+installed() {
+    [ -f "$PREFIX/lib/pkgconfig/tinyloop.pc" ] || step_install >/dev/null
+}
+
 step_python() {
-    local venv="$WORK/pyenv" py
-    if [ ! -x "$venv/bin/python" ]; then
-        python3 -m venv --system-site-packages "$venv" >/dev/null 2>&1 || rm -rf "$venv"
-    fi
+    local wheels="$WORK/wheels" venv="$OUTSIDE/venv" tests="$OUTSIDE/python-tests" wheel
     local pipflags=(-q --disable-pip-version-check)
-    if [ -x "$venv/bin/python" ]; then
-        py="$venv/bin/python"
-    else
-        echo "python3 -m venv is unavailable; installing into the user site instead"
-        py=python3
-        pipflags+=(--user)
-        python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages \
-            && pipflags+=(--break-system-packages)
-    fi
-    "$py" -c 'import numpy' 2>/dev/null || "$py" -m pip install "${pipflags[@]}" numpy || return 1
-    "$py" -c 'import pytest' 2>/dev/null || "$py" -m pip install "${pipflags[@]}" pytest || return 1
-    # A fresh install of the binding (not editable: the tests import the installed package).
-    # With a recent setuptools at hand, build without network access.
-    local build_flags=()
-    "$py" - <<'PY' 2>/dev/null && build_flags=(--no-build-isolation)
-import importlib.util as u, sys
-import setuptools
-major = int(setuptools.__version__.split(".")[0])
-has_wheel = u.find_spec("wheel") is not None or u.find_spec("setuptools.command.bdist_wheel") is not None
-sys.exit(0 if major >= 61 and has_wheel else 1)
-PY
-    # Build from a copy so that setuptools' build/ and *.egg-info stay out of the source tree.
-    rm -rf "$WORK/python-src" && cp -r "$ROOT/bindings/python" "$WORK/python-src" || return 1
-    "$py" -m pip install "${pipflags[@]}" "${build_flags[@]}" --force-reinstall --no-deps \
-        "$WORK/python-src" || return 1
-    # From $ROOT (not bindings/python), so `import tinyloop_py` is the installed copy; it finds
-    # the library in $ROOT/target/release unless TINYLOOP_LIB says otherwise.
-    [ -n "${TINYLOOP_TARGET_DIR:-}" ] && export TINYLOOP_LIB="${TINYLOOP_LIB:-$REL/libtinyloop.so}"
+    rm -rf "$wheels"
+    python3 -m pip wheel "${pipflags[@]}" --no-deps -w "$wheels" bindings/python || return 1
+    wheel="$(ls "$wheels"/tinyloop_py-*.whl)"
+    echo "built $(basename "$wheel")"
+    case "$wheel" in
+        *-py3-none-linux_*.whl) ;;
+        *) echo "not a platform wheel: $wheel"; return 1 ;;
+    esac
+    python3 -m zipfile -l "$wheel" | grep -q ' *tinyloop_py/libtinyloop.so ' \
+        || { echo "no libtinyloop.so in the wheel"; return 1; }
+    [ "${TINYLOOP_SHIP_KERNELS:-1}" = 0 ] \
+        || [ "$(python3 -m zipfile -l "$wheel" | grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-')" = 2 ] \
+        || { echo "the wheel lacks the sm_80 and sm_90 kernels"; return 1; }
+    python3 -m venv "$venv" && "$venv/bin/python" -m pip install "${pipflags[@]}" "$wheel" pytest \
+        || return 1
+    # The binding's tests from a folder outside the repository, with no TINYLOOP_LIB: the
+    # package must load the library it ships.
+    cp -r bindings/python/tests "$tests" || return 1
+    (
+        cd "$tests" && unset TINYLOOP_LIB && export PYTHONDONTWRITEBYTECODE=1 &&
+            "$venv/bin/python" -c 'import tinyloop_py; print("loaded", tinyloop_py.library_path())' &&
+            "$venv/bin/python" -m pytest -q -p no:cacheprovider .
+    ) || return 1
     # tests/python checks the runtime against the NumPy reference (tools/reference.py).
-    PYTHONDONTWRITEBYTECODE=1 "$py" -m pytest -q -p no:cacheprovider bindings/python/tests tests/python
+    PYTHONDONTWRITEBYTECODE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/python
 }
 
 step_go() {
+    installed || return 1
     (
-        # The cgo directives link ../../target/release; another library folder comes first.
-        [ -n "${TINYLOOP_TARGET_DIR:-}" ] && export CGO_LDFLAGS="-L$REL -Wl,-rpath,$REL ${CGO_LDFLAGS:-}"
+        export PKG_CONFIG_PATH="$PREFIX/lib/pkgconfig"
         cd bindings/go && go vet ./... && go test -count=1 ./...
     )
 }
@@ -197,6 +214,49 @@ step_cpp() {
         -DTINYLOOP_LIB_DIR="$REL" -DTINYLOOP_TEST_MODEL="$TINYLOOP_TEST_MODEL" >/dev/null \
         && cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" >/dev/null \
         && ctest --test-dir "$build" --output-on-failure
+}
+
+step_consumers() {
+    installed || return 1
+    local src="$OUTSIDE/consumers" demo="$ROOT/models/demo.tinyloop"
+    rm -rf "$src" && cp -r tests/consumers "$src" || return 1
+    (
+        export PKG_CONFIG_PATH="$PREFIX/lib/pkgconfig"
+        set -e
+        echo "-- C, pkg-config"
+        cd "$src/c"
+        "$CC" -std=c11 -Wall -Wextra -Werror generate.c $(pkg-config --cflags --libs tinyloop) \
+            -o generate
+        ./generate "$demo"
+        echo "-- C and C++, find_package(tinyloop): shared, static, tinyloop.hpp"
+        cmake -S "$src/cmake" -B "$src/cmake/build" -DCMAKE_PREFIX_PATH="$PREFIX" \
+            -DCMAKE_BUILD_TYPE=Release >/dev/null
+        cmake --build "$src/cmake/build" >/dev/null
+        if ldd "$src/cmake/build/generate_c_static" | grep -q libtinyloop; then
+            echo "generate_c_static links libtinyloop dynamically"
+            exit 1
+        fi
+        for program in generate_c generate_c_static generate_cpp; do
+            "$src/cmake/build/$program" "$demo"
+        done
+        echo "-- C++, add_subdirectory(bindings/cpp) of this checkout: no GoogleTest"
+        cmake -S "$src/subdirectory" -B "$src/subdirectory/build" -DTINYLOOP_SOURCE_DIR="$ROOT" \
+            -DCMAKE_BUILD_TYPE=Release >/dev/null
+        if grep -qi gtest "$src/subdirectory/build/CMakeCache.txt"; then
+            echo "add_subdirectory(bindings/cpp) configured GoogleTest"
+            exit 1
+        fi
+        cmake --build "$src/subdirectory/build" >/dev/null
+        "$src/subdirectory/build/generate_cpp" "$demo"
+        echo "-- Go, a module outside the repository using a copy of bindings/go"
+        cp -r "$ROOT/bindings/go" "$src/tinyloop-go"
+        cd "$src/go"
+        go mod init example.com/generate 2>/dev/null
+        go mod edit -replace github.com/tinyloop/tinyloop/bindings/go="$src/tinyloop-go"
+        go mod tidy
+        go build -o generate .
+        ./generate "$demo"
+    )
 }
 
 for step in "${STEPS[@]}"; do

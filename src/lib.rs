@@ -35,6 +35,8 @@ use kv::KvLayout;
 use model::forward::Buffers;
 use model::weights::Weights;
 
+/// Packaging: precompile the CUDA kernels for an architecture into a folder (`tinyloop kernels`).
+pub use backend::cuda::kernels::ship as ship_kernels;
 pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;

@@ -1,12 +1,10 @@
 // Package tinyloop is the Go binding of libtinyloop, an inference runtime for looped
 // (weight-shared) transformers. It wraps the C ABI of include/tinyloop.h (see docs/ABI.md).
 //
-// Linking: the cgo directives below link ../../target/release/libtinyloop.so (run
-// `cargo build --release` in the repository first) and record that folder as the run-time
-// search path. To link another copy, set CGO_LDFLAGS (e.g. "-L/opt/tinyloop/lib
-// -Wl,-rpath,/opt/tinyloop/lib") and, when the header lives elsewhere, CGO_CFLAGS="-I...";
-// flags from the environment come after the ones here, so put the directory first via
-// CGO_LDFLAGS or LD_LIBRARY_PATH at run time.
+// Linking: through pkg-config (`#cgo pkg-config: tinyloop`), so install the library first:
+// `scripts/install PREFIX` in the repository, then PKG_CONFIG_PATH=PREFIX/lib/pkgconfig unless
+// PREFIX is a system one. The flags it gives record PREFIX/lib as the program's run-time search
+// path.
 //
 // Threads: a Model is a set of weights plus a default session, safe to share between
 // goroutines; one call at a time runs on the default session (a concurrent one fails with
@@ -15,8 +13,7 @@
 package tinyloop
 
 /*
-#cgo CFLAGS: -I${SRCDIR}/../../include
-#cgo LDFLAGS: -L${SRCDIR}/../../target/release -ltinyloop -Wl,-rpath,${SRCDIR}/../../target/release
+#cgo pkg-config: tinyloop
 #include <stdint.h>
 #include <stdlib.h>
 #include "tinyloop.h"

@@ -1,8 +1,13 @@
 /* A small C program using libtinyloop: open a model, inspect it, generate (whole and streamed),
  * score, use a second session, and release everything.
  *
- *   cc -std=c11 -Iinclude examples/c/example.c -Ltarget/release -ltinyloop -o example
- *   ./example model.tinyloop ["prompt"]
+ *   cc -std=c11 examples/c/example.c $(pkg-config --cflags --libs tinyloop) -o example
+ *   ./example models/demo.tinyloop ["prompt"]
+ *
+ * (after scripts/install, see the README), or against the build tree of `cargo build --release`:
+ *
+ *   cc -std=c11 -Iinclude examples/c/example.c -Ltarget/release -ltinyloop \
+ *       -Wl,-rpath,"$PWD/target/release" -o example
  *
  * Exit status 0 on success; every failure prints the status name and tl_last_error_message().
  */

@@ -177,6 +177,17 @@ enum ToolCommand {
     },
     /// Convert a safetensors checkpoint (+ config JSON) to .tinyloop.
     Convert(ConvertArgs),
+    /// Precompile the CUDA kernels with NVRTC into the folder that the library searches
+    /// (packaging: scripts/install, the Python wheel).
+    #[command(hide = true)]
+    Kernels {
+        /// Architecture, e.g. sm_90; repeat the option for several.
+        #[arg(long = "arch", required = true)]
+        archs: Vec<String>,
+        /// Destination: the tinyloop/kernels folder beside the installed libtinyloop.so.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -220,7 +231,10 @@ struct ConvertArgs {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let is_tool = matches!(args.get(1).map(String::as_str), Some("synth" | "convert"));
+    let is_tool = matches!(
+        args.get(1).map(String::as_str),
+        Some("synth" | "convert" | "kernels")
+    );
     let result = if is_tool {
         run_tool(ToolCli::parse_from(&args))
     } else {
@@ -253,6 +267,13 @@ fn run_tool(cli: ToolCli) -> Result<()> {
             Ok(())
         }
         ToolCommand::Convert(args) => convert(args),
+        ToolCommand::Kernels { archs, out } => {
+            for arch in &archs {
+                let path = tinyloop::ship_kernels(arch, &out)?;
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(())
+        }
     }
 }
 

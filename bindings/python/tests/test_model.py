@@ -1,6 +1,7 @@
 """The seed Model surface from Python: construction, config, generation, scoring, errors,
 close semantics, sessions and threads."""
 
+import os
 import random
 import threading
 import types
@@ -32,6 +33,13 @@ def test_library_search_order(tmp_path):
     assert paths[3] == tmp_path.resolve() / "target" / "debug" / _lib.LIB_NAMES[0]
     # A folder in TINYLOOP_LIB means the library file inside it.
     assert _lib.candidate_paths(env={"TINYLOOP_LIB": str(tmp_path)}, cwd=tmp_path)[0] == lib
+
+
+def test_installed_package_uses_its_own_library():
+    package_lib = Path(_lib.__file__).resolve().parent / _lib.LIB_NAMES[0]
+    if not package_lib.is_file() or os.environ.get("TINYLOOP_LIB"):
+        pytest.skip("no library inside the package (a source tree), or TINYLOOP_LIB overrides it")
+    assert Path(tinyloop_py.library_path()).resolve() == package_lib
 
 
 def test_load_library_refuses_another_abi_version(monkeypatch):

@@ -1,5 +1,6 @@
 //! The kernels in `cuda/`: embedded in the library, compiled by NVRTC for the device's
-//! architecture at first use, and cached on disk as a cubin.
+//! architecture at first use, and cached on disk as a cubin. Cubins shipped with the library
+//! for the device's architecture ([`shipped`]) are used before both.
 //!
 //! Cache key: a hash of every source, the NVRTC options (with any `TINYLOOP_CUDA_DEFINES`), the
 //! architecture and the NVRTC version.
@@ -22,6 +23,9 @@ use rayon::prelude::*;
 
 use super::driver::device_error;
 use crate::error::{Error, Result};
+
+mod shipped;
+pub use shipped::ship;
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
 pub(crate) const SOURCES: [(&str, &str); 8] = [
@@ -136,6 +140,18 @@ impl Kernels {
 pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, String)> {
     let start = Instant::now();
     let arch_name = format!("sm_{}{}", arch.0, arch.1);
+    // Says why shipped cubins were passed over, ahead of the note of what was done instead.
+    let mut skipped = String::new();
+    if let Some((cubins, path)) = shipped::find(&arch_name) {
+        match load_modules(ctx, &cubins) {
+            Ok(kernels) => {
+                let ms = start.elapsed().as_secs_f64() * 1e3;
+                let note = format!("shipped cubin {} ({ms:.1} ms)", path.display());
+                return Ok((kernels, note));
+            }
+            Err(e) => skipped = format!("shipped cubin {} not loaded ({e}); ", path.display()),
+        }
+    }
     let dir = cache_dir();
     let nvrtc_version = load_nvrtc().ok().map(|_| nvrtc_version()).transpose()?;
     let latest = dir.as_ref().map(|d| d.join(format!("latest-{arch_name}")));
@@ -148,7 +164,7 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
             .map(|s| s.trim().to_string()),
     };
     let cached = match (&dir, &key) {
-        (Some(dir), Some(key)) => std::fs::read(dir.join(format!("tinyloop-{key}.cubin")))
+        (Some(dir), Some(key)) => std::fs::read(cache_file(dir, key))
             .ok()
             .and_then(|bytes| unpack(&bytes)),
         _ => None,
@@ -156,20 +172,24 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
     if let Some(cubins) = cached {
         if let Ok(kernels) = load_modules(ctx, &cubins) {
             let ms = start.elapsed().as_secs_f64() * 1e3;
-            return Ok((kernels, format!("disk cache hit ({ms:.1} ms)")));
+            return Ok((kernels, format!("{skipped}disk cache hit ({ms:.1} ms)")));
         }
     }
     let Some(version) = nvrtc_version else {
         return Err(Error::Device(format!(
-            "the kernels are not cached for {arch_name} and NVRTC (libnvrtc.so.13) was not found: {}",
-            load_nvrtc().err().map(|e| e.to_string()).unwrap_or_default()
+            "{skipped}the kernels are neither shipped nor cached for {arch_name} and NVRTC \
+             (libnvrtc.so.13) was not found: {}",
+            load_nvrtc()
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
         )));
     };
     let cubins = compile(&arch_name)?;
     let compiled_ms = start.elapsed().as_secs_f64() * 1e3;
     let kernels = load_modules(ctx, &cubins)?;
     let mut note = format!(
-        "compiled by NVRTC {}.{} for {arch_name} in {compiled_ms:.0} ms",
+        "{skipped}compiled by NVRTC {}.{} for {arch_name} in {compiled_ms:.0} ms",
         version.0, version.1
     );
     if let (Some(dir), Some(key)) = (&dir, &key) {
@@ -224,7 +244,9 @@ fn extra_defines() -> Vec<String> {
         .collect()
 }
 
-fn cache_key(arch: &str, version: (i32, i32)) -> String {
+/// Hash of everything that makes the cubins besides the architecture and the compiler: the
+/// sources, the programs and their options, and any `TINYLOOP_CUDA_DEFINES`.
+fn source_hash() -> u64 {
     let mut parts: Vec<&[u8]> = Vec::new();
     for (name, src) in &SOURCES {
         parts.push(name.as_bytes());
@@ -241,13 +263,15 @@ fn cache_key(arch: &str, version: (i32, i32)) -> String {
     for o in &extra {
         parts.push(o.as_bytes());
     }
-    let v = format!("{arch} nvrtc {}.{}", version.0, version.1);
-    parts.push(v.as_bytes());
+    fnv1a(&parts)
+}
+
+fn cache_key(arch: &str, version: (i32, i32)) -> String {
     format!(
         "{arch}-nvrtc{}{}-{:016x}",
         version.0,
         version.1,
-        fnv1a(&parts)
+        source_hash()
     )
 }
 
@@ -277,10 +301,15 @@ fn unpack(mut bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
     (cubins.len() == PROGRAMS.len()).then_some(cubins)
 }
 
+/// The cache file of `key` in the cache folder `dir`.
+fn cache_file(dir: &Path, key: &str) -> PathBuf {
+    dir.join(format!("tinyloop-{key}.cubin"))
+}
+
 /// Write the cache file under its key (atomically: temporary file, then rename).
 fn store(dir: &Path, key: &str, cubin: &[u8], latest: Option<&Path>) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("tinyloop-{key}.cubin"));
+    let path = cache_file(dir, key);
     let tmp = dir.join(format!(".tinyloop-{key}.{}.tmp", std::process::id()));
     std::fs::write(&tmp, cubin)?;
     std::fs::rename(&tmp, &path)?;
