@@ -11,10 +11,9 @@
 //!
 //! Handles: a `tl_model` is a [`crate::Model`] plus its default [`crate::Session`]; a
 //! `tl_session` is a further session over the same weights. Handle values are ids resolved
-//! through a table of live objects ([`handles`]), so a closed or freed handle is answered
-//! `TL_ERR_CLOSED` without touching freed memory. Each session sits in a
-//! [`session::SessionSlot`] whose mutex is taken by `try_lock`, so a second concurrent call gets
-//! `TL_ERR_BUSY` at once.
+//! through a table of live objects (`handles.rs`), so a closed or freed handle is answered
+//! `TL_ERR_CLOSED` without touching freed memory. Each session sits in a `SessionSlot` whose
+//! mutex is taken by `try_lock`, so a second concurrent call gets `TL_ERR_BUSY` at once.
 
 #![allow(non_camel_case_types)]
 #![deny(unsafe_op_in_unsafe_fn)]
