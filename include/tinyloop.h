@@ -51,11 +51,13 @@ typedef enum tl_status {
 } tl_status;
 
 // An open model: immutable weights on one device plus a default session. Opaque; created by
-// `tl_model_open`, closed by `tl_close`, freed by `tl_model_free`.
+// `tl_model_open`, closed (and freed) by `tl_close` or `tl_model_free`. A handle is a value
+// the library looks up, not an address: never dereference it.
 typedef struct tl_model tl_model;
 
 // A session: runtime buffers and KV cache of one sequence over a model's shared weights.
-// Opaque; created by `tl_session_new`, freed by `tl_session_free`.
+// Opaque; created by `tl_session_new`, freed by `tl_session_free`. Like `tl_model`, a handle
+// is a value the library looks up, not an address.
 typedef struct tl_session tl_session;
 
 // Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
@@ -75,6 +77,11 @@ typedef struct tl_model_params {
     uint32_t max_loops;
     // Print the load log on stderr. Default true.
     bool log;
+    // KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
+    // "age:A:B" (docs/ABI.md "KV cache modes"). NULL (default) uses the environment
+    // (TINYLOOP_KV_INT8=1 → "int8", TINYLOOP_KV_DELTA=1 → "delta"), else "fp16". Only read
+    // during `tl_model_open`.
+    const char *kv_mode;
 } tl_model_params;
 
 // Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
@@ -187,51 +194,43 @@ enum tl_status tl_generate_default_params(struct tl_generate_params *params);
 // checksum mismatch), `TL_ERR_INVALID_ARGUMENT` (bad params or device name), `TL_ERR_DEVICE`,
 // `TL_ERR_OUT_OF_MEMORY`.
 //
-// Ownership: the caller owns the new handle and must release it with `tl_model_free` (after
-// `tl_close`, or not). `path` and `params` (including `params->device`) are only read during
-// the call. Threads: any thread.
+// Ownership: the caller owns the new handle and releases it with `tl_close` (or
+// `tl_model_free`, the same without a status). `path` and `params` (including
+// `params->device`) are only read during the call. Threads: any thread.
 //
 // # Safety
 // `path` must be NULL or a NUL-terminated string; `params` NULL or a `tl_model_params` from
 // `tl_model_default_params`; `out_model` NULL or valid for a write.
 enum tl_status tl_model_open(const char *path, const struct tl_model_params *params, struct tl_model **out_model);
 
-// Release the model's weights and its default session. A call running on the default session
-// from another thread is cancelled and awaited first. Sessions created with `tl_session_new`
-// keep the weights alive until they are freed, and keep working. Idempotent; NULL is accepted
-// (TL_OK). Afterwards every call on the handle except `tl_close` / `tl_model_free` /
-// `tl_cancel` fails with `TL_ERR_CLOSED`; the handle itself stays valid until `tl_model_free`.
+// Close the model and release everything `tl_model_open` allocated: the weights (unless
+// sessions still use them), the default session and the handle. From the moment it starts,
+// every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
+// the default session in another thread is cancelled and awaited (a score call is awaited).
+// Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
+// working. Afterwards every call on the handle fails with `TL_ERR_CLOSED`, except `tl_close` /
+// `tl_model_free` (no-ops) and `tl_cancel` (TL_OK): handle values are never reused. NULL is
+// accepted (TL_OK); a value that is not a model handle is `TL_ERR_INVALID_ARGUMENT`.
 //
-// Fails with `TL_ERR_BUSY` only when called from inside a stream callback of a call on the
-// same model (the call cannot be awaited from its own thread).
+// Fails with `TL_ERR_BUSY`, closing nothing, only when called from inside a stream callback of
+// a call on the same model (the call cannot be awaited from its own thread).
 //
-// Ownership: does not free the handle. Threads: any thread, also while another thread is in
-// a call on this model.
-//
-// # Safety
-// `model` must be NULL or a handle from `tl_model_open` not yet passed to `tl_model_free`.
+// Ownership: takes back the handle from `tl_model_open`. Threads: any thread, also while
+// other threads are in calls on this model or closing it.
 enum tl_status tl_close(struct tl_model *model);
 
-// Close (as `tl_close`) and free the handle. NULL is accepted. If called from inside a stream
-// callback of a call on the same model, nothing is freed and the last error is set.
+// `tl_close` without a status: failures only set the last error message. A no-op for NULL
+// and for a handle already closed, so calling it after `tl_close`, or twice, is harmless.
 //
-// Ownership: takes back the handle from `tl_model_open`; the pointer is invalid afterwards, so
-// calling this twice on the same pointer is a double free (like free()). Threads: any thread,
-// but no other thread may be using or about to use the handle.
-//
-// # Safety
-// `model` must be NULL or a handle from `tl_model_open` not yet freed.
+// Ownership: as `tl_close`. Threads: as `tl_close`.
 void tl_model_free(struct tl_model *model);
 
 // Request cancellation of the call running on the model's default session; it stops at the
 // next token and returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score
 // calls are not interruptible. TL_OK when nothing is running or the model is closed.
 //
-// Ownership: none. Threads: any thread, any time while the handle is live (typically another
-// thread than the one generating, or the stream callback itself).
-//
-// # Safety
-// `model` must be NULL or a live handle from `tl_model_open`.
+// Ownership: none. Threads: any thread, any time (typically another thread than the one
+// generating, or the stream callback itself).
 enum tl_status tl_cancel(const struct tl_model *model);
 
 // Write the model's static architecture and open options to `*config`. The caller sets
@@ -241,8 +240,7 @@ enum tl_status tl_cancel(const struct tl_model *model);
 // Threads: any thread, concurrently with other calls.
 //
 // # Safety
-// `model` must be NULL or a live handle; `config` NULL or valid for reads and writes of
-// `tl_config`.
+// `config` must be NULL or valid for reads and writes of `tl_config`.
 enum tl_status tl_model_config(const struct tl_model *model, struct tl_config *config);
 
 // Device memory held by the model's weights and all of its live sessions (buffers and KV
@@ -252,7 +250,7 @@ enum tl_status tl_model_config(const struct tl_model *model, struct tl_config *c
 // Ownership: none. Threads: any thread, concurrently with other calls.
 //
 // # Safety
-// `model` must be NULL or a live handle; `out_mb` NULL or valid for a write.
+// `out_mb` must be NULL or valid for a write.
 enum tl_status tl_vram_usage_mb(const struct tl_model *model, double *out_mb);
 
 // The device the weights live on, in words (e.g. "cpu (16 threads)"), as a NUL-terminated
@@ -262,7 +260,7 @@ enum tl_status tl_vram_usage_mb(const struct tl_model *model, double *out_mb);
 // Ownership: the caller owns `out`. Threads: any thread, concurrently with other calls.
 //
 // # Safety
-// `model` must be NULL or a live handle; `out` valid for `cap` bytes; `len` for one write.
+// `out` must be valid for `cap` bytes; `len` for one write.
 enum tl_status tl_model_device(const struct tl_model *model, char *out, size_t cap, size_t *len);
 
 // Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
@@ -278,8 +276,8 @@ enum tl_status tl_model_device(const struct tl_model *model, char *out, size_t c
 // Threads: any thread; one call at a time per model (use sessions for concurrency).
 //
 // # Safety
-// `model` NULL or live; `tokens` valid for `n_tokens` reads; `params` NULL or from
-// `tl_generate_default_params`; `out` valid for `cap` writes; `len` for one write.
+// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
+// `out` valid for `cap` writes; `len` for one write.
 enum tl_status tl_generate(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
 
 // Like `tl_generate`, but calls `callback(token, user_data)` on the calling thread for each
@@ -302,8 +300,7 @@ enum tl_status tl_generate_stream(const struct tl_model *model, const int32_t *t
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 //
 // # Safety
-// `model` NULL or live; `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len`
-// for one write.
+// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 enum tl_status tl_score_last(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
 // Logits `[n_tokens, vocab_size]` (row-major) for every position of `tokens`, on the model's
@@ -334,31 +331,27 @@ enum tl_status tl_logprobs(const struct tl_model *model, const int32_t *tokens, 
 // concurrently with other calls on the model.
 //
 // # Safety
-// `model` NULL or live; `out_session` NULL or valid for a write.
+// `out_session` must be NULL or valid for a write.
 enum tl_status tl_session_new(const struct tl_model *model, struct tl_session **out_session);
 
-// Free a session. A call running on it from another thread is cancelled and awaited first.
-// NULL is accepted. If called from inside a stream callback of a call on the same session,
-// nothing is freed and the last error is set.
+// Free a session: new calls on it get `TL_ERR_CLOSED` at once, a call running on it from
+// another thread is cancelled and awaited, and its buffers and KV cache are released. When this
+// was the last user of a closed model's weights, they are released too. NULL and a session
+// that was already freed are accepted (no-op), so freeing twice is harmless. If called from
+// inside a stream callback of a call on the same session, nothing is freed and the last error
+// is set (`TL_ERR_BUSY`); a value that is not a session handle only sets the last error.
 //
-// Ownership: takes back the handle from `tl_session_new`; the pointer is invalid afterwards
-// (freeing it twice is a double free). When this was the last user of a closed model's
-// weights, they are released. Threads: any thread, but no other thread may start a call on
-// the session during or after this call.
-//
-// # Safety
-// `session` must be NULL or a handle from `tl_session_new` not yet freed.
+// Ownership: takes back the handle from `tl_session_new`; afterwards every call on it returns
+// `TL_ERR_CLOSED` (handle values are never reused). Threads: any thread, also while another
+// thread is in a call on this session.
 void tl_session_free(struct tl_session *session);
 
 // Request cancellation of the call running on `session`; it stops at the next token and
 // returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score calls are not
-// interruptible. TL_OK when nothing is running.
+// interruptible. TL_OK when nothing is running or the session was freed.
 //
-// Ownership: none. Threads: any thread, any time while the handle is live (including the
-// session's own stream callback).
-//
-// # Safety
-// `session` must be NULL or a live handle from `tl_session_new`.
+// Ownership: none. Threads: any thread, any time (including the session's own stream
+// callback).
 enum tl_status tl_session_cancel(const struct tl_session *session);
 
 // `tl_generate` on a session: up to `params->max_tokens` new tokens after the prompt into
@@ -368,7 +361,7 @@ enum tl_status tl_session_cancel(const struct tl_session *session);
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 //
 // # Safety
-// `session` NULL or live; other pointers as `tl_generate`.
+// Pointers other than `session` as `tl_generate`.
 enum tl_status tl_session_generate(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
 
 // `tl_generate_stream` on a session: `callback(token, user_data)` per new token on the calling
@@ -379,7 +372,7 @@ enum tl_status tl_session_generate(const struct tl_session *session, const int32
 // session.
 //
 // # Safety
-// `session` NULL or live; other arguments as `tl_generate_stream`.
+// Arguments other than `session` as `tl_generate_stream`.
 enum tl_status tl_session_generate_stream(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, tl_token_callback callback, void *user_data);
 
 // `tl_score_last` on a session: logits `[vocab_size]` at the last position into
@@ -388,7 +381,7 @@ enum tl_status tl_session_generate_stream(const struct tl_session *session, cons
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 //
 // # Safety
-// `session` NULL or live; other pointers as `tl_score_last`.
+// Pointers other than `session` as `tl_score_last`.
 enum tl_status tl_session_score_last(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
 // Logits `[n_tokens, vocab_size]` (row-major) for every position, into `out[0..*len]`; `cap`
@@ -397,8 +390,7 @@ enum tl_status tl_session_score_last(const struct tl_session *session, const int
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 //
 // # Safety
-// `session` NULL or live; `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len`
-// for one write.
+// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 enum tl_status tl_session_score(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
 // `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1, into `out[0..*len]` (n_tokens

@@ -5,7 +5,13 @@
 #   c-so       examples/c/example.c linked against libtinyloop.so, run
 #   c-static   the same example linked against libtinyloop.a, run
 #   c-abi      tests/c/abi_test.c (the bad-input table of docs/ABI.md, threads, cancellation)
-#   valgrind   memcheck on the C example: no errors, no definite leaks
+#   c-seed     tests/c/seed_lifecycle.c: only the seed functions, tl_close without tl_model_free
+#   valgrind   memcheck on the C example: no errors, no definite or indirect leaks
+#   valgrind-seed  the same on seed_lifecycle (what tl_model_open allocates, tl_close releases)
+#   valgrind-abi   the same on the C ABI test (~1 min)
+#   asan       the C ABI test, seed_lifecycle and the example built with -fsanitize=address
+#              (AddressSanitizer + LeakSanitizer; the library itself is not instrumented, but
+#              every allocation it makes goes through the sanitizer's malloc)
 #   install    scripts/install into a prefix outside the repository (the steps below use it)
 #   python     the wheel (pip wheel bindings/python) installed into a fresh venv; its tests run
 #              from a folder outside the repository, then the NumPy reference check
@@ -15,9 +21,8 @@
 #              pkg-config, C/C++ with find_package(tinyloop), Go from a copy of the module, and
 #              C++ with add_subdirectory(bindings/cpp); each generates text from
 #              models/demo.tinyloop
-#   valgrind-abi  (optional, not in the default set: ~1 min) memcheck on the C ABI test
 #
-# Usage: scripts/test-bindings.sh [STEP...]     (default: all steps but valgrind-abi)
+# Usage: scripts/test-bindings.sh [STEP...]     (default: all steps)
 #
 # Uses target/release/{libtinyloop.so,libtinyloop.a,tinyloop}; runs `cargo build --release`
 # first when cargo is available (a no-op when up to date), else expects them to exist
@@ -41,7 +46,7 @@ PREFIX="$OUTSIDE/prefix"
 # Kernels compiled for the install are reused by the wheel build.
 export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
-ALL_STEPS=(header c-so c-static c-abi valgrind install python go cpp consumers)
+ALL_STEPS=(header c-so c-static c-abi c-seed valgrind valgrind-seed valgrind-abi asan install python go cpp consumers)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
 declare -A RESULT=()
@@ -63,7 +68,7 @@ if wants cpp; then
         missing_pkgs+=(googletest libgtest-dev)
     fi
 fi
-{ wants valgrind || wants valgrind-abi; } && need valgrind valgrind
+{ wants valgrind || wants valgrind-seed || wants valgrind-abi; } && need valgrind valgrind
 { wants go || wants consumers; } && need go golang-go
 { wants install || wants go || wants consumers; } && need pkg-config pkg-config
 wants consumers && need cmake cmake && need g++ g++
@@ -95,6 +100,7 @@ export TINYLOOP_TEST_MODEL="$WORK/tiny.tinyloop"
     || { echo "tinyloop synth failed"; exit 1; }
 export TINYLOOP_BIN="$REL/tinyloop"
 CFLAGS=(-std=c11 -D_DEFAULT_SOURCE -O1 -g -Wall -Wextra -Werror -I"$ROOT/include")
+SO_LINK=(-L"$REL" -ltinyloop -Wl,-rpath,"$REL")
 STATIC_LIBS=(-lpthread -ldl -lm -lrt)
 
 # ---- steps -------------------------------------------------------------------------------
@@ -116,8 +122,8 @@ step_header() {
 }
 
 step_c_so() {
-    "$CC" "${CFLAGS[@]}" examples/c/example.c -L"$REL" -ltinyloop -Wl,-rpath,"$REL" \
-        -o "$WORK/example_so" && "$WORK/example_so" "$TINYLOOP_TEST_MODEL"
+    "$CC" "${CFLAGS[@]}" examples/c/example.c "${SO_LINK[@]}" -o "$WORK/example_so" &&
+        "$WORK/example_so" "$TINYLOOP_TEST_MODEL"
 }
 
 step_c_static() {
@@ -131,8 +137,8 @@ step_c_static() {
 }
 
 step_c_abi() {
-    "$CC" "${CFLAGS[@]}" -pthread tests/c/abi_test.c -L"$REL" -ltinyloop -Wl,-rpath,"$REL" -lm \
-        -o "$WORK/abi_test" && "$WORK/abi_test" "$TINYLOOP_TEST_MODEL" | grep -v '^ok '
+    "$CC" "${CFLAGS[@]}" -pthread tests/c/abi_test.c "${SO_LINK[@]}" -lm -o "$WORK/abi_test" &&
+        "$WORK/abi_test" "$TINYLOOP_TEST_MODEL" | grep -v '^ok '
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || return "$rc"
     # The same test against the static library.
@@ -141,24 +147,56 @@ step_c_abi() {
     return "${PIPESTATUS[0]}"
 }
 
+step_c_seed() {
+    "$CC" "${CFLAGS[@]}" tests/c/seed_lifecycle.c "${SO_LINK[@]}" -o "$WORK/seed_lifecycle" &&
+        TINYLOOP_DEVICE=cpu "$WORK/seed_lifecycle" "$TINYLOOP_TEST_MODEL" 2>/dev/null
+}
+
+# memcheck NAME PROGRAM: run PROGRAM on the test model under valgrind. Errors and "definitely" or
+# "indirectly lost" blocks fail; "possibly lost" blocks of the CPU thread pool (its threads live
+# until exit) do not. On the CPU: the device is not what is being checked.
+memcheck() {
+    local name="$1" program="$2"
+    TINYLOOP_DEVICE=cpu valgrind --error-exitcode=99 --leak-check=full \
+        --errors-for-leak-kinds=definite,indirect --log-file="$WORK/$name.log" \
+        "$program" "$TINYLOOP_TEST_MODEL" 2>/dev/null | tail -1
+    local rc=${PIPESTATUS[0]}
+    grep -E "ERROR SUMMARY|definitely lost|indirectly lost|possibly lost" "$WORK/$name.log"
+    [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/$name.log"; return 1; }
+}
+
 step_valgrind() {
     [ -x "$WORK/example_so" ] || step_c_so >/dev/null || return 1
-    # --errors-for-leak-kinds=definite: a definite leak counts as an error; "possibly lost"
-    # blocks of the worker thread pool (alive until exit) do not.
-    valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
-        --log-file="$WORK/valgrind.log" "$WORK/example_so" "$TINYLOOP_TEST_MODEL" >/dev/null
-    local rc=$?
-    grep -E "ERROR SUMMARY|definitely lost|indirectly lost|possibly lost" "$WORK/valgrind.log"
-    [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/valgrind.log"; return 1; }
+    memcheck valgrind "$WORK/example_so"
+}
+
+step_valgrind_seed() {
+    [ -x "$WORK/seed_lifecycle" ] || step_c_seed >/dev/null || return 1
+    memcheck valgrind-seed "$WORK/seed_lifecycle"
 }
 
 step_valgrind_abi() {
     [ -x "$WORK/abi_test" ] || step_c_abi >/dev/null || return 1
-    valgrind --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite \
-        --log-file="$WORK/valgrind-abi.log" "$WORK/abi_test" "$TINYLOOP_TEST_MODEL" | tail -1
-    local rc=${PIPESTATUS[0]}
-    grep -E "ERROR SUMMARY|definitely lost" "$WORK/valgrind-abi.log"
-    [ "$rc" -eq 0 ] || { echo "valgrind failed (exit $rc), see $WORK/valgrind-abi.log"; return 1; }
+    memcheck valgrind-abi "$WORK/abi_test"
+}
+
+step_asan() {
+    local asan=(-fsanitize=address -fno-omit-frame-pointer) src name rc=0
+    for src in tests/c/abi_test.c tests/c/seed_lifecycle.c examples/c/example.c; do
+        name="$(basename "$src" .c)_asan"
+        "$CC" "${CFLAGS[@]}" "${asan[@]}" -pthread "$src" "${SO_LINK[@]}" -lm -o "$WORK/$name" ||
+            return 1
+        # No suppressions: LeakSanitizer reports any block unreachable at exit.
+        ASAN_OPTIONS=detect_leaks=1 TINYLOOP_DEVICE=cpu "$WORK/$name" "$TINYLOOP_TEST_MODEL" \
+            >"$WORK/$name.log" 2>&1
+        local status=$?
+        echo "$name: exit $status, $(tail -1 "$WORK/$name.log")"
+        if [ "$status" -ne 0 ]; then
+            grep -A12 -E "ERROR: (Address|Leak)Sanitizer" "$WORK/$name.log" | head -40
+            rc=1
+        fi
+    done
+    return "$rc"
 }
 
 step_install() {
@@ -273,7 +311,7 @@ done
 log "summary"
 status=0
 for step in "${STEPS[@]}"; do
-    printf '  %-10s %s\n' "$step" "${RESULT[$step]}"
+    printf '  %-14s %s\n' "$step" "${RESULT[$step]}"
     [ "${RESULT[$step]}" = ok ] || status=1
 done
 exit "$status"

@@ -1,5 +1,6 @@
 //! The C ABI called from Rust: results equal the Rust API, sessions run concurrently with the
-//! same results as sequential runs, BUSY / CANCELLED / CLOSED behave as documented.
+//! same results as sequential runs, BUSY / CANCELLED / CLOSED behave as documented, closed and
+//! freed handles stay closed, and `tl_close` refuses new calls while it waits for a running one.
 //! (tests/c/abi_test.c drives the full bad-input table from C.)
 
 use std::ffi::{c_void, CStr, CString};
@@ -28,18 +29,18 @@ fn model_file(preset_name: &str) -> PathBuf {
     path
 }
 
-/// A model handle that is closed and freed on drop.
+/// A model handle that is closed on drop (a no-op when the test closed it already).
 struct Handle(*mut tl_model);
 
-// SAFETY: the C ABI documents tl_model as usable from any thread (calls serialize internally).
+// SAFETY: the C ABI documents tl_model as usable from any thread (calls serialize internally);
+// the library looks handle values up and never dereferences them.
 unsafe impl Send for Handle {}
 // SAFETY: as above.
 unsafe impl Sync for Handle {}
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        // SAFETY: the handle came from tl_model_open and is freed exactly once, here.
-        unsafe { tl_model_free(self.0) };
+        tl_model_free(self.0);
     }
 }
 
@@ -52,8 +53,7 @@ unsafe impl Sync for SessionHandle {}
 
 impl Drop for SessionHandle {
     fn drop(&mut self) {
-        // SAFETY: from tl_session_new, freed once.
-        unsafe { tl_session_free(self.0) };
+        tl_session_free(self.0);
     }
 }
 
@@ -395,8 +395,7 @@ fn busy_then_cancelled_on_one_session() {
     let (status, _) = session_generate(&session, &PROMPT, &gen_params(4));
     assert_eq!(status, tl_status::TL_ERR_BUSY);
     assert!(last_error().contains("busy"), "{}", last_error());
-    // SAFETY: a live session.
-    assert_eq!(unsafe { tl_session_cancel(session.0) }, tl_status::TL_OK);
+    assert_eq!(tl_session_cancel(session.0), tl_status::TL_OK);
     release_tx.send(()).unwrap();
     let (status, tokens) = worker.join().unwrap();
     assert_eq!(status, tl_status::TL_ERR_CANCELLED);
@@ -411,25 +410,253 @@ fn busy_then_cancelled_on_one_session() {
 fn closed_model_names_the_function_and_free_is_null_safe() {
     let path = model_file("tiny");
     let model = open(&path, 64);
-    // SAFETY: live handle; tl_close is idempotent.
-    unsafe {
-        assert_eq!(tl_close(model.0), tl_status::TL_OK);
-        assert_eq!(tl_close(model.0), tl_status::TL_OK);
-    }
+    assert_eq!(tl_close(model.0), tl_status::TL_OK);
+    assert_eq!(tl_close(model.0), tl_status::TL_OK, "idempotent");
+    tl_model_free(model.0);
     let (status, _) = generate(&model, &PROMPT, &gen_params(4));
     assert_eq!(status, tl_status::TL_ERR_CLOSED);
     assert!(last_error().starts_with("tl_generate called on a closed model"));
     let mut mb = -1.0;
-    // SAFETY: the handle stays valid memory after close.
+    // SAFETY: a valid out-pointer; the handle is only looked up.
     let status = unsafe { tl_vram_usage_mb(model.0, &mut mb) };
     assert_eq!(status, tl_status::TL_ERR_CLOSED);
     assert_eq!(mb, -1.0, "outputs are written only on success");
-    // SAFETY: NULL is accepted by every free / close function.
-    unsafe {
-        tl_model_free(ptr::null_mut());
-        tl_session_free(ptr::null_mut());
-        assert_eq!(tl_close(ptr::null_mut()), tl_status::TL_OK);
+    assert_eq!(tl_cancel(model.0), tl_status::TL_OK, "cancel after close");
+    tl_model_free(ptr::null_mut());
+    tl_session_free(ptr::null_mut());
+    assert_eq!(tl_close(ptr::null_mut()), tl_status::TL_OK);
+}
+
+#[test]
+fn closed_handles_stay_closed_when_new_models_open() {
+    let path = model_file("tiny");
+    let old = open(&path, 64);
+    let old_session = new_session(&old);
+    assert_eq!(tl_close(old.0), tl_status::TL_OK);
+    tl_session_free(old_session.0);
+    // Open and close many models: none gets the old handle values, which stay closed.
+    for _ in 0..20 {
+        let fresh = open(&path, 64);
+        let fresh_session = new_session(&fresh);
+        assert_ne!(fresh.0, old.0);
+        assert_ne!(fresh_session.0, old_session.0);
+        let (status, _) = generate(&old, &PROMPT, &gen_params(2));
+        assert_eq!(status, tl_status::TL_ERR_CLOSED, "{}", last_error());
+        let (status, _) = session_generate(&old_session, &PROMPT, &gen_params(2));
+        assert_eq!(status, tl_status::TL_ERR_CLOSED, "{}", last_error());
+        let (status, out) = generate(&fresh, &PROMPT, &gen_params(2));
+        assert_eq!((status, out.len()), (tl_status::TL_OK, 2));
     }
+}
+
+#[test]
+fn freed_session_is_closed_and_freeing_twice_is_harmless() {
+    let model = open(&model_file("tiny"), 64);
+    let session = new_session(&model);
+    tl_session_free(session.0);
+    tl_session_free(session.0);
+    let (status, _) = session_generate(&session, &PROMPT, &gen_params(2));
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    assert!(
+        last_error().starts_with("tl_session_generate called on a freed session"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(tl_session_cancel(session.0), tl_status::TL_OK);
+    // The model and its other sessions are unaffected.
+    let other = new_session(&model);
+    let (status, out) = session_generate(&other, &PROMPT, &gen_params(2));
+    assert_eq!((status, out.len()), (tl_status::TL_OK, 2));
+}
+
+#[test]
+fn values_that_are_not_handles_of_the_kind_are_invalid_arguments() {
+    let model = open(&model_file("tiny"), 64);
+    let session = new_session(&model);
+    let session_as_model = Handle(session.0.cast());
+    let (status, _) = generate(&session_as_model, &PROMPT, &gen_params(2));
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert_eq!(
+        last_error(),
+        "tl_generate: model is a tl_session handle, not a tl_model"
+    );
+    // Closing the wrong kind is refused and closes nothing.
+    assert_eq!(
+        tl_close(session_as_model.0),
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+    std::mem::forget(session_as_model);
+    let (status, _) = session_generate(&session, &PROMPT, &gen_params(2));
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    // An address (what a handle was before) is not a handle.
+    let mut local = 0u64;
+    let forged = Handle(ptr::addr_of_mut!(local).cast());
+    let (status, _) = generate(&forged, &PROMPT, &gen_params(2));
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("not a handle"), "{}", last_error());
+    assert_eq!(tl_cancel(forged.0), tl_status::TL_ERR_INVALID_ARGUMENT);
+    std::mem::forget(forged);
+    assert_eq!(local, 0, "the library did not write through the value");
+}
+
+/// Calls `tl_generate` on `model` until it returns `TL_ERR_CLOSED` and returns the other
+/// statuses seen before. Fails after `LIVENESS_LIMIT`: a bound against hanging, not a timing.
+fn generate_until_closed(model: &Handle) -> Vec<tl_status> {
+    let start = std::time::Instant::now();
+    let mut seen = Vec::new();
+    loop {
+        let (status, _) = generate(model, &PROMPT, &gen_params(2));
+        if status == tl_status::TL_ERR_CLOSED {
+            return seen;
+        }
+        seen.push(status);
+        assert!(
+            start.elapsed() < LIVENESS_LIMIT,
+            "calls kept running for {LIVENESS_LIMIT:?}, the last one: {:?}",
+            seen.last()
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Generous: on a loaded 2-core machine the model's calls take milliseconds.
+const LIVENESS_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+#[test]
+fn close_refuses_new_calls_while_it_waits_for_the_running_one() {
+    let model = Arc::new(open(&model_file("tiny"), 256));
+    let (started_tx, started_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel();
+    let streamer = {
+        let model = model.clone();
+        std::thread::spawn(move || {
+            let mut gate = Gate {
+                started: started_tx,
+                release: release_rx,
+                tokens: 0,
+            };
+            let p = gen_params(100);
+            // SAFETY: valid pointers; gate outlives the call.
+            let status = unsafe {
+                tl_generate_stream(
+                    model.0,
+                    PROMPT.as_ptr(),
+                    PROMPT.len(),
+                    &p,
+                    Some(gate_callback),
+                    &mut gate as *mut Gate as *mut c_void,
+                )
+            };
+            (status, gate.tokens)
+        })
+    };
+    started_rx.recv().unwrap();
+    let closer = {
+        let model = model.clone();
+        std::thread::spawn(move || tl_close(model.0))
+    };
+    // The stream is parked in its callback, so close cannot finish; calls made meanwhile are
+    // BUSY until close starts and CLOSED from then on (before this change: BUSY forever).
+    let before = generate_until_closed(&model);
+    assert!(
+        before.iter().all(|&s| s == tl_status::TL_ERR_BUSY),
+        "{before:?}"
+    );
+    assert!(!closer.is_finished(), "close waits for the running call");
+    let mut mb = 0.0;
+    // SAFETY: a valid out-pointer.
+    let status = unsafe { tl_vram_usage_mb(model.0, &mut mb) };
+    assert_eq!(status, tl_status::TL_ERR_CLOSED, "non-waiting calls too");
+    let mut session = ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let status = unsafe { tl_session_new(model.0, &mut session) };
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    release_tx.send(()).unwrap();
+    let (status, tokens) = streamer.join().unwrap();
+    assert_eq!(status, tl_status::TL_ERR_CANCELLED);
+    assert_eq!(tokens, 1, "cancelled at the next token");
+    assert_eq!(closer.join().unwrap(), tl_status::TL_OK);
+}
+
+#[test]
+fn eight_threads_retrying_calls_do_not_hold_off_close() {
+    let model = Arc::new(open(&model_file("tiny"), 256));
+    let running = Arc::new(Barrier::new(9));
+    let workers: Vec<_> = (0..8)
+        .map(|_| {
+            let (model, running) = (model.clone(), running.clone());
+            std::thread::spawn(move || {
+                let (status, _) = generate(&model, &PROMPT, &gen_params(2));
+                assert!(
+                    matches!(status, tl_status::TL_OK | tl_status::TL_ERR_BUSY),
+                    "{status:?}"
+                );
+                running.wait();
+                generate_until_closed(&model)
+            })
+        })
+        .collect();
+    running.wait();
+    assert_eq!(tl_close(model.0), tl_status::TL_OK);
+    for w in workers {
+        let before = w.join().unwrap();
+        assert!(
+            before.iter().all(|s| matches!(
+                s,
+                tl_status::TL_OK | tl_status::TL_ERR_BUSY | tl_status::TL_ERR_CANCELLED
+            )),
+            "{before:?}"
+        );
+    }
+}
+
+#[test]
+fn session_free_refuses_new_calls_and_waits_for_the_running_one() {
+    let model = open(&model_file("tiny"), 256);
+    let session = Arc::new(new_session(&model));
+    let (started_tx, started_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel();
+    let streamer = {
+        let session = session.clone();
+        std::thread::spawn(move || {
+            let mut gate = Gate {
+                started: started_tx,
+                release: release_rx,
+                tokens: 0,
+            };
+            let p = gen_params(100);
+            // SAFETY: valid pointers; gate outlives the call.
+            unsafe {
+                tl_session_generate_stream(
+                    session.0,
+                    PROMPT.as_ptr(),
+                    PROMPT.len(),
+                    &p,
+                    Some(gate_callback),
+                    &mut gate as *mut Gate as *mut c_void,
+                )
+            }
+        })
+    };
+    started_rx.recv().unwrap();
+    let freer = {
+        let session = session.clone();
+        std::thread::spawn(move || tl_session_free(session.0))
+    };
+    let start = std::time::Instant::now();
+    loop {
+        let (status, _) = session_generate(&session, &PROMPT, &gen_params(2));
+        if status == tl_status::TL_ERR_CLOSED {
+            break;
+        }
+        assert_eq!(status, tl_status::TL_ERR_BUSY);
+        assert!(start.elapsed() < LIVENESS_LIMIT, "free never refused calls");
+        std::thread::yield_now();
+    }
+    assert!(!freer.is_finished(), "free waits for the running call");
+    release_tx.send(()).unwrap();
+    assert_eq!(streamer.join().unwrap(), tl_status::TL_ERR_CANCELLED);
+    freer.join().unwrap();
 }
 
 #[test]

@@ -121,8 +121,7 @@ done:
     free(prompt);
     free(logits);
     tl_session_free(session);
+    /* Releases everything tl_model_open allocated; the handle is dead afterwards. */
     if (tl_close(model) != TL_OK) rc = 1;
-    if (tl_close(model) != TL_OK) rc = 1; /* idempotent */
-    tl_model_free(model);
     return rc;
 }

@@ -10,8 +10,10 @@
 //! * NULL is checked everywhere; free / close functions accept NULL and are idempotent.
 //!
 //! Handles: a `tl_model` is a [`crate::Model`] plus its default [`crate::Session`]; a
-//! `tl_session` is a further session over the same weights. Each handle guards its session with a
-//! mutex taken by `try_lock`, so a second concurrent call gets `TL_ERR_BUSY` at once.
+//! `tl_session` is a further session over the same weights. Handle values are ids resolved
+//! through a table of live objects (`handles.rs`), so a closed or freed handle is answered
+//! `TL_ERR_CLOSED` without touching freed memory. Each session sits in a `SessionSlot` whose
+//! mutex is taken by `try_lock`, so a second concurrent call gets `TL_ERR_BUSY` at once.
 
 #![allow(non_camel_case_types)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -79,13 +81,13 @@ pub(crate) fn status_of(error: &Error) -> tl_status {
     }
 }
 
-/// C callers share handles between threads, so the handle types must be `Send + Sync`; this
-/// fails to compile if a backend's session state ever stops being `Send`.
+/// C callers share handles between threads, so the objects behind them must be `Send + Sync`;
+/// this fails to compile if a backend's session state ever stops being `Send`.
 #[allow(dead_code)]
 fn assert_handles_are_thread_safe() {
     fn check<T: Send + Sync>() {}
-    check::<tl_model>();
-    check::<tl_session>();
+    check::<model::OpenModel>();
+    check::<session::SessionSlot>();
 }
 
 /// A failure on its way to C: a status and a message (the function name is added later).
@@ -105,10 +107,6 @@ impl Failure {
 
     pub fn invalid(message: impl Into<String>) -> Failure {
         Failure::new(tl_status::TL_ERR_INVALID_ARGUMENT, message)
-    }
-
-    pub fn closed(func: &str) -> Failure {
-        Failure::from(Error::Closed(func.to_string()))
     }
 }
 
@@ -247,26 +245,19 @@ pub(crate) fn try_enter<'a, T>(mutex: &'a Mutex<T>, what: &str) -> FfiResult<Hel
     Ok(mark_held(mutex, guard))
 }
 
-/// Take a session mutex, cancelling the call that holds it and waiting for it to return.
-/// Fails with `TL_ERR_BUSY` when the calling thread itself holds it (a callback re-entering).
+/// Take a session mutex, cancelling the call that holds it and waiting for it to return. The
+/// caller checks first that this thread does not hold it ([`held_by_this_thread`]).
 pub(crate) fn enter_cancelling<'a, T>(
     mutex: &'a Mutex<T>,
     cancel: &crate::CancelHandle,
-    what: &str,
-) -> FfiResult<Held<'a, T>> {
-    if held_by_this_thread(mutex) {
-        return Err(Failure::new(
-            tl_status::TL_ERR_BUSY,
-            format!("{what} cannot be closed from inside a callback of a call on it"),
-        ));
-    }
+) -> Held<'a, T> {
     loop {
         // Cancel on every attempt: a call that was just starting resets the flag.
         cancel.cancel();
         match mutex.try_lock() {
-            Ok(guard) => return Ok(mark_held(mutex, guard)),
+            Ok(guard) => return mark_held(mutex, guard),
             Err(TryLockError::Poisoned(poisoned)) => {
-                return Ok(mark_held(mutex, poisoned.into_inner()))
+                return mark_held(mutex, poisoned.into_inner())
             }
             Err(TryLockError::WouldBlock) => {
                 std::thread::sleep(std::time::Duration::from_millis(1));
@@ -362,6 +353,7 @@ pub extern "C" fn tl_last_error_message() -> *const c_char {
 }
 
 // Declared last so that the header lists the basics above before the handle functions.
+mod handles;
 mod params;
 pub use params::*;
 mod model;
@@ -432,7 +424,7 @@ mod tests {
         let status = boundary("tl_f", || Err(Failure::invalid("bad \0 thing")));
         assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
         assert_eq!(message(), "tl_f: bad   thing");
-        let status = boundary("tl_f", || Err(Failure::closed("tl_f")));
+        let status = boundary("tl_f", || Err(handles::Kind::Model.closed("tl_f")));
         assert_eq!(status, tl_status::TL_ERR_CLOSED);
         assert_eq!(
             message(),

@@ -1,61 +1,81 @@
 //! `tl_model`: a model plus its default session (the seed's simple surface).
 
 use std::ffi::{c_char, c_void};
-use std::sync::{Mutex, RwLock};
+use std::sync::RwLock;
 
+use super::handles::{Kind, Lookup, Table};
 use super::params::{
     check_buffer, check_config_size, model_options, saturate, tl_config, tl_generate_params,
     tl_model_params, write_buffer,
 };
-use super::session::{ops, tl_token_callback};
-use super::{
-    boundary, boundary_void, c_str, enter_cancelling, non_null, tl_status, try_enter, write_out,
-    Failure, FfiResult,
-};
-use crate::{CancelHandle, HeadKind, Model, NormKind, Session};
+use super::session::{ops, tl_token_callback, SessionSlot};
+use super::{boundary, boundary_void, c_str, non_null, tl_status, write_out, Failure, FfiResult};
+use crate::{HeadKind, Model, NormKind, Session};
 
 /// An open model: immutable weights on one device plus a default session. Opaque; created by
-/// `tl_model_open`, closed by `tl_close`, freed by `tl_model_free`.
+/// `tl_model_open`, closed (and freed) by `tl_close` or `tl_model_free`. A handle is a value
+/// the library looks up, not an address: never dereference it.
 pub struct tl_model {
-    /// The weights; `None` once closed. Read-locked briefly by calls that need only the model.
-    model: RwLock<Option<Model>>,
-    /// The default session; `None` once closed. Held for the whole of a generate / score call.
-    default: Mutex<Option<Session>>,
-    /// Cancels the call running on the default session; usable without the mutex.
-    cancel: CancelHandle,
+    _opaque: [u8; 0],
 }
 
-impl tl_model {
-    /// A clone of the model (shares the weights), or `TL_ERR_CLOSED` naming `func`.
+/// The open models behind `tl_model` handles.
+static MODELS: Table<OpenModel, tl_model> = Table::new(Kind::Model);
+
+/// What a `tl_model` handle refers to.
+pub(crate) struct OpenModel {
+    /// The weights; `None` once closed. Read-locked briefly by calls that need only the model.
+    model: RwLock<Option<Model>>,
+    /// The default session, where the generate / score calls of the model handle run.
+    default: SessionSlot,
+}
+
+impl OpenModel {
+    /// A clone of the model (shares the weights), or `TL_ERR_CLOSED` naming `func` once
+    /// closing has started.
     fn model(&self, func: &str) -> FfiResult<Model> {
+        let closed = || Kind::Model.closed(func);
+        if self.default.is_released() {
+            return Err(closed());
+        }
         let guard = self.model.read().unwrap_or_else(|p| p.into_inner());
-        guard.clone().ok_or_else(|| Failure::closed(func))
+        guard.clone().ok_or_else(closed)
     }
 
-    /// Release the default session and the model's reference to the weights.
+    /// Release the default session (new calls fail from here on; a running one is cancelled
+    /// and awaited) and the model's reference to the weights.
     fn close(&self) -> FfiResult {
-        let mut session = enter_cancelling(&self.default, &self.cancel, "the model")?;
-        *session = None;
+        self.default.release()?;
         *self.model.write().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(())
     }
 }
 
-/// Run `f` on the default session of `model` with the session mutex held (`TL_ERR_BUSY` when
-/// another call holds it, `TL_ERR_CLOSED` after `tl_close`).
-///
-/// # Safety
-/// `model` must be NULL or a live handle from `tl_model_open`.
-unsafe fn with_default<R>(
+/// The model behind a handle that `func` was called on (a clone that shares the weights).
+fn model_of(model: *const tl_model, func: &str) -> FfiResult<Model> {
+    MODELS.get(model, func)?.model(func)
+}
+
+/// Run `f`, the body of `func`, on the default session of the model behind a handle.
+fn with_default<R>(
     model: *const tl_model,
     func: &str,
     f: impl FnOnce(&mut Session) -> FfiResult<R>,
 ) -> FfiResult<R> {
-    // SAFETY: NULL or a live handle by the caller's contract.
-    let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
-    let mut held = try_enter(&handle.default, "the model's default session")?;
-    let session = held.as_mut().ok_or_else(|| Failure::closed(func))?;
-    f(session)
+    MODELS.get(model, func)?.default.run(func, f)
+}
+
+/// `tl_close` and `tl_model_free`: close the model and retire its handle.
+fn close_handle(model: *const tl_model) -> FfiResult {
+    match MODELS.lookup(model) {
+        Lookup::Null | Lookup::Closed => Ok(()),
+        Lookup::Invalid(failure) => Err(failure),
+        Lookup::Live(open) => {
+            open.close()?;
+            MODELS.remove(model);
+            Ok(())
+        }
+    }
 }
 
 /// Open and validate a `.tinyloop` file and load its weights onto the chosen device; creates the
@@ -67,9 +87,9 @@ unsafe fn with_default<R>(
 /// checksum mismatch), `TL_ERR_INVALID_ARGUMENT` (bad params or device name), `TL_ERR_DEVICE`,
 /// `TL_ERR_OUT_OF_MEMORY`.
 ///
-/// Ownership: the caller owns the new handle and must release it with `tl_model_free` (after
-/// `tl_close`, or not). `path` and `params` (including `params->device`) are only read during
-/// the call. Threads: any thread.
+/// Ownership: the caller owns the new handle and releases it with `tl_close` (or
+/// `tl_model_free`, the same without a status). `path` and `params` (including
+/// `params->device`) are only read during the call. Threads: any thread.
 ///
 /// # Safety
 /// `path` must be NULL or a NUL-terminated string; `params` NULL or a `tl_model_params` from
@@ -88,81 +108,60 @@ pub unsafe extern "C" fn tl_model_open(
         let options = unsafe { model_options(params) }?;
         let model = Model::open(path, &options)?;
         let session = model.new_session()?;
-        let handle = Box::new(tl_model {
-            cancel: session.cancel_handle(),
+        let handle = MODELS.insert(OpenModel {
             model: RwLock::new(Some(model)),
-            default: Mutex::new(Some(session)),
-        });
+            default: SessionSlot::new(session, Kind::Model),
+        })?;
         // SAFETY: checked non-NULL; writable by the caller's contract.
-        unsafe { write_out(out_model, Box::into_raw(handle)) };
+        unsafe { write_out(out_model, handle) };
         Ok(())
     })
 }
 
-/// Release the model's weights and its default session. A call running on the default session
-/// from another thread is cancelled and awaited first. Sessions created with `tl_session_new`
-/// keep the weights alive until they are freed, and keep working. Idempotent; NULL is accepted
-/// (TL_OK). Afterwards every call on the handle except `tl_close` / `tl_model_free` /
-/// `tl_cancel` fails with `TL_ERR_CLOSED`; the handle itself stays valid until `tl_model_free`.
+/// Close the model and release everything `tl_model_open` allocated: the weights (unless
+/// sessions still use them), the default session and the handle. From the moment it starts,
+/// every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
+/// the default session in another thread is cancelled and awaited (a score call is awaited).
+/// Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
+/// working. Afterwards every call on the handle fails with `TL_ERR_CLOSED`, except `tl_close` /
+/// `tl_model_free` (no-ops) and `tl_cancel` (TL_OK): handle values are never reused. NULL is
+/// accepted (TL_OK); a value that is not a model handle is `TL_ERR_INVALID_ARGUMENT`.
 ///
-/// Fails with `TL_ERR_BUSY` only when called from inside a stream callback of a call on the
-/// same model (the call cannot be awaited from its own thread).
+/// Fails with `TL_ERR_BUSY`, closing nothing, only when called from inside a stream callback of
+/// a call on the same model (the call cannot be awaited from its own thread).
 ///
-/// Ownership: does not free the handle. Threads: any thread, also while another thread is in
-/// a call on this model.
-///
-/// # Safety
-/// `model` must be NULL or a handle from `tl_model_open` not yet passed to `tl_model_free`.
+/// Ownership: takes back the handle from `tl_model_open`. Threads: any thread, also while
+/// other threads are in calls on this model or closing it.
 #[no_mangle]
-pub unsafe extern "C" fn tl_close(model: *mut tl_model) -> tl_status {
-    boundary("tl_close", || {
-        // SAFETY: NULL or live by the caller's contract.
-        match unsafe { model.as_ref() } {
-            None => Ok(()),
-            Some(handle) => handle.close(),
-        }
-    })
+pub extern "C" fn tl_close(model: *mut tl_model) -> tl_status {
+    boundary("tl_close", || close_handle(model))
 }
 
-/// Close (as `tl_close`) and free the handle. NULL is accepted. If called from inside a stream
-/// callback of a call on the same model, nothing is freed and the last error is set.
+/// `tl_close` without a status: failures only set the last error message. A no-op for NULL
+/// and for a handle already closed, so calling it after `tl_close`, or twice, is harmless.
 ///
-/// Ownership: takes back the handle from `tl_model_open`; the pointer is invalid afterwards, so
-/// calling this twice on the same pointer is a double free (like free()). Threads: any thread,
-/// but no other thread may be using or about to use the handle.
-///
-/// # Safety
-/// `model` must be NULL or a handle from `tl_model_open` not yet freed.
+/// Ownership: as `tl_close`. Threads: as `tl_close`.
 #[no_mangle]
-pub unsafe extern "C" fn tl_model_free(model: *mut tl_model) {
-    boundary_void("tl_model_free", || {
-        if model.is_null() {
-            return Ok(());
-        }
-        // SAFETY: live by the caller's contract.
-        unsafe { &*model }.close()?;
-        // SAFETY: from Box::into_raw in tl_model_open; no other thread uses it (contract).
-        drop(unsafe { Box::from_raw(model) });
-        Ok(())
-    })
+pub extern "C" fn tl_model_free(model: *mut tl_model) {
+    boundary_void("tl_model_free", || close_handle(model))
 }
 
 /// Request cancellation of the call running on the model's default session; it stops at the
 /// next token and returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score
 /// calls are not interruptible. TL_OK when nothing is running or the model is closed.
 ///
-/// Ownership: none. Threads: any thread, any time while the handle is live (typically another
-/// thread than the one generating, or the stream callback itself).
-///
-/// # Safety
-/// `model` must be NULL or a live handle from `tl_model_open`.
+/// Ownership: none. Threads: any thread, any time (typically another thread than the one
+/// generating, or the stream callback itself).
 #[no_mangle]
-pub unsafe extern "C" fn tl_cancel(model: *const tl_model) -> tl_status {
-    boundary("tl_cancel", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
-        handle.cancel.cancel();
-        Ok(())
+pub extern "C" fn tl_cancel(model: *const tl_model) -> tl_status {
+    boundary("tl_cancel", || match MODELS.lookup(model) {
+        Lookup::Null => Err(Failure::invalid("model is NULL")),
+        Lookup::Invalid(failure) => Err(failure),
+        Lookup::Closed => Ok(()),
+        Lookup::Live(open) => {
+            open.default.cancel();
+            Ok(())
+        }
     })
 }
 
@@ -173,20 +172,17 @@ pub unsafe extern "C" fn tl_cancel(model: *const tl_model) -> tl_status {
 /// Threads: any thread, concurrently with other calls.
 ///
 /// # Safety
-/// `model` must be NULL or a live handle; `config` NULL or valid for reads and writes of
-/// `tl_config`.
+/// `config` must be NULL or valid for reads and writes of `tl_config`.
 #[no_mangle]
 pub unsafe extern "C" fn tl_model_config(
     model: *const tl_model,
     config: *mut tl_config,
 ) -> tl_status {
     boundary("tl_model_config", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
+        let m = model_of(model, "tl_model_config")?;
         non_null(config, "config")?;
         // SAFETY: non-NULL and readable by the caller's contract.
         unsafe { check_config_size(config) }?;
-        let m = handle.model("tl_model_config")?;
         let c = m.config();
         let o = m.options();
         let norm: &'static std::ffi::CStr = match c.norm {
@@ -236,14 +232,12 @@ pub unsafe extern "C" fn tl_model_config(
 /// Ownership: none. Threads: any thread, concurrently with other calls.
 ///
 /// # Safety
-/// `model` must be NULL or a live handle; `out_mb` NULL or valid for a write.
+/// `out_mb` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_vram_usage_mb(model: *const tl_model, out_mb: *mut f64) -> tl_status {
     boundary("tl_vram_usage_mb", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
+        let m = model_of(model, "tl_vram_usage_mb")?;
         non_null(out_mb, "out_mb")?;
-        let m = handle.model("tl_vram_usage_mb")?;
         // SAFETY: non-NULL and writable by the caller's contract.
         unsafe { write_out(out_mb, m.memory_bytes() as f64 / 1e6) };
         Ok(())
@@ -257,7 +251,7 @@ pub unsafe extern "C" fn tl_vram_usage_mb(model: *const tl_model, out_mb: *mut f
 /// Ownership: the caller owns `out`. Threads: any thread, concurrently with other calls.
 ///
 /// # Safety
-/// `model` must be NULL or a live handle; `out` valid for `cap` bytes; `len` for one write.
+/// `out` must be valid for `cap` bytes; `len` for one write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_model_device(
     model: *const tl_model,
@@ -266,9 +260,7 @@ pub unsafe extern "C" fn tl_model_device(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_model_device", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
-        let m = handle.model("tl_model_device")?;
+        let m = model_of(model, "tl_model_device")?;
         let mut bytes: Vec<c_char> = m
             .info()
             .device
@@ -299,8 +291,8 @@ pub unsafe extern "C" fn tl_model_device(
 /// Threads: any thread; one call at a time per model (use sessions for concurrency).
 ///
 /// # Safety
-/// `model` NULL or live; `tokens` valid for `n_tokens` reads; `params` NULL or from
-/// `tl_generate_default_params`; `out` valid for `cap` writes; `len` for one write.
+/// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
+/// `out` valid for `cap` writes; `len` for one write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_generate(
     model: *const tl_model,
@@ -312,12 +304,10 @@ pub unsafe extern "C" fn tl_generate(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_generate", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_default(model, "tl_generate", |s| {
-                ops::generate(s, tokens, n_tokens, params, out, cap, len)
-            })
-        }
+        with_default(model, "tl_generate", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::generate(s, tokens, n_tokens, params, out, cap, len) }
+        })
     })
 }
 
@@ -341,12 +331,10 @@ pub unsafe extern "C" fn tl_generate_stream(
     user_data: *mut c_void,
 ) -> tl_status {
     boundary("tl_generate_stream", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_default(model, "tl_generate_stream", |s| {
-                ops::generate_stream(s, tokens, n_tokens, params, callback, user_data)
-            })
-        }
+        with_default(model, "tl_generate_stream", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::generate_stream(s, tokens, n_tokens, params, callback, user_data) }
+        })
     })
 }
 
@@ -358,8 +346,7 @@ pub unsafe extern "C" fn tl_generate_stream(
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 ///
 /// # Safety
-/// `model` NULL or live; `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len`
-/// for one write.
+/// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_score_last(
     model: *const tl_model,
@@ -371,12 +358,10 @@ pub unsafe extern "C" fn tl_score_last(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_score_last", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_default(model, "tl_score_last", |s| {
-                ops::score_last(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_default(model, "tl_score_last", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::score_last(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }
 
@@ -399,12 +384,10 @@ pub unsafe extern "C" fn tl_score(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_score", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_default(model, "tl_score", |s| {
-                ops::score(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_default(model, "tl_score", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::score(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }
 
@@ -426,12 +409,10 @@ pub unsafe extern "C" fn tl_logprobs(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_logprobs", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_default(model, "tl_logprobs", |s| {
-                ops::logprobs(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_default(model, "tl_logprobs", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::logprobs(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }
 
@@ -444,18 +425,16 @@ pub unsafe extern "C" fn tl_logprobs(
 /// concurrently with other calls on the model.
 ///
 /// # Safety
-/// `model` NULL or live; `out_session` NULL or valid for a write.
+/// `out_session` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_session_new(
     model: *const tl_model,
     out_session: *mut *mut super::tl_session,
 ) -> tl_status {
     boundary("tl_session_new", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle = unsafe { model.as_ref() }.ok_or_else(|| Failure::invalid("model is NULL"))?;
+        let m = model_of(model, "tl_session_new")?;
         non_null(out_session, "out_session")?;
-        let m = handle.model("tl_session_new")?;
-        let session = super::session::new_handle(m.new_session()?);
+        let session = super::session::new_handle(m.new_session()?)?;
         // SAFETY: non-NULL and writable by the caller's contract.
         unsafe { write_out(out_session, session) };
         Ok(())

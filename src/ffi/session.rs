@@ -2,10 +2,15 @@
 //! shared by sessions and the model's default session.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+use super::handles::{Kind, Lookup, Table};
 use super::params::tl_generate_params;
-use super::{boundary, boundary_void, enter_cancelling, tl_status, try_enter, Failure, FfiResult};
+use super::{
+    boundary, boundary_void, enter_cancelling, held_by_this_thread, tl_status, try_enter, Failure,
+    FfiResult,
+};
 use crate::{CancelHandle, Session};
 
 /// Called for each generated token with the `user_data` given to the call; return true to
@@ -14,31 +19,105 @@ pub type tl_token_callback =
     Option<unsafe extern "C" fn(token: i32, user_data: *mut c_void) -> bool>;
 
 /// A session: runtime buffers and KV cache of one sequence over a model's shared weights.
-/// Opaque; created by `tl_session_new`, freed by `tl_session_free`.
+/// Opaque; created by `tl_session_new`, freed by `tl_session_free`. Like `tl_model`, a handle
+/// is a value the library looks up, not an address.
 pub struct tl_session {
-    session: Mutex<Session>,
+    _opaque: [u8; 0],
+}
+
+/// The live sessions behind `tl_session` handles.
+static SESSIONS: Table<SessionSlot, tl_session> = Table::new(Kind::Session);
+
+/// A session behind a C handle (a `tl_session`, or a model's default session). Calls are
+/// serialized by a mutex taken without waiting; the cancel handle works without it; once
+/// [`SessionSlot::release`] has started, every call is answered `TL_ERR_CLOSED` at once.
+pub(crate) struct SessionSlot {
+    /// `None` once released. Held for the whole of a generate / score call.
+    session: Mutex<Option<Session>>,
     cancel: CancelHandle,
+    released: AtomicBool,
+    /// The handle kind whose calls run here (for messages).
+    kind: Kind,
 }
 
-pub(crate) fn new_handle(session: Session) -> *mut tl_session {
-    Box::into_raw(Box::new(tl_session {
-        cancel: session.cancel_handle(),
-        session: Mutex::new(session),
-    }))
+impl SessionSlot {
+    pub fn new(session: Session, kind: Kind) -> SessionSlot {
+        SessionSlot {
+            cancel: session.cancel_handle(),
+            session: Mutex::new(Some(session)),
+            released: AtomicBool::new(false),
+            kind,
+        }
+    }
+
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    fn what(&self) -> &'static str {
+        match self.kind {
+            Kind::Model => "the model's default session",
+            Kind::Session => "the session",
+        }
+    }
+
+    /// Run `f` (the body of `func`) on the session: `TL_ERR_BUSY` when another call is running
+    /// on it, `TL_ERR_CLOSED` once release has started.
+    pub fn run<R>(&self, func: &str, f: impl FnOnce(&mut Session) -> FfiResult<R>) -> FfiResult<R> {
+        let closed = || self.kind.closed(func);
+        if self.is_released() {
+            return Err(closed());
+        }
+        let mut held = try_enter(&self.session, self.what()).map_err(|busy| {
+            if self.is_released() {
+                closed()
+            } else {
+                busy
+            }
+        })?;
+        // Checked again under the mutex: release may have started while this call took it, and
+        // no call may start once release has cancelled the running one.
+        if self.is_released() {
+            return Err(closed());
+        }
+        f(held.as_mut().ok_or_else(closed)?)
+    }
+
+    /// Request cancellation of the running call (a no-op when none is running).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Stop new calls, cancel and await the running one, and drop the session. Idempotent.
+    /// `TL_ERR_BUSY`, with nothing done, from inside a callback of a call on this session.
+    pub fn release(&self) -> FfiResult {
+        if held_by_this_thread(&self.session) {
+            return Err(Failure::new(
+                tl_status::TL_ERR_BUSY,
+                format!(
+                    "{} cannot be closed from inside a callback of a call on it",
+                    self.what()
+                ),
+            ));
+        }
+        self.released.store(true, Ordering::Release);
+        *enter_cancelling(&self.session, &self.cancel) = None;
+        Ok(())
+    }
 }
 
-/// Run `f` on the session with its mutex held (`TL_ERR_BUSY` when another call holds it).
-///
-/// # Safety
-/// `session` must be NULL or a live handle from `tl_session_new`.
-unsafe fn with_session<R>(
+/// Register a new session and return its handle.
+pub(crate) fn new_handle(session: Session) -> FfiResult<*mut tl_session> {
+    SESSIONS.insert(SessionSlot::new(session, Kind::Session))
+}
+
+/// Run `f`, the body of `func`, on the session behind a handle.
+fn with_session<R>(
     session: *const tl_session,
+    func: &str,
     f: impl FnOnce(&mut Session) -> FfiResult<R>,
 ) -> FfiResult<R> {
-    // SAFETY: NULL or live by the caller's contract.
-    let handle = unsafe { session.as_ref() }.ok_or_else(|| Failure::invalid("session is NULL"))?;
-    let mut held = try_enter(&handle.session, "the session")?;
-    f(&mut held)
+    SESSIONS.get(session, func)?.run(func, f)
 }
 
 /// The operations behind both the model-handle and the session-handle entry points.
@@ -175,55 +254,45 @@ pub(crate) mod ops {
     }
 }
 
-/// Free a session. A call running on it from another thread is cancelled and awaited first.
-/// NULL is accepted. If called from inside a stream callback of a call on the same session,
-/// nothing is freed and the last error is set.
+/// Free a session: new calls on it get `TL_ERR_CLOSED` at once, a call running on it from
+/// another thread is cancelled and awaited, and its buffers and KV cache are released. When this
+/// was the last user of a closed model's weights, they are released too. NULL and a session
+/// that was already freed are accepted (no-op), so freeing twice is harmless. If called from
+/// inside a stream callback of a call on the same session, nothing is freed and the last error
+/// is set (`TL_ERR_BUSY`); a value that is not a session handle only sets the last error.
 ///
-/// Ownership: takes back the handle from `tl_session_new`; the pointer is invalid afterwards
-/// (freeing it twice is a double free). When this was the last user of a closed model's
-/// weights, they are released. Threads: any thread, but no other thread may start a call on
-/// the session during or after this call.
-///
-/// # Safety
-/// `session` must be NULL or a handle from `tl_session_new` not yet freed.
+/// Ownership: takes back the handle from `tl_session_new`; afterwards every call on it returns
+/// `TL_ERR_CLOSED` (handle values are never reused). Threads: any thread, also while another
+/// thread is in a call on this session.
 #[no_mangle]
-pub unsafe extern "C" fn tl_session_free(session: *mut tl_session) {
-    boundary_void("tl_session_free", || {
-        if session.is_null() {
-            return Ok(());
+pub extern "C" fn tl_session_free(session: *mut tl_session) {
+    boundary_void("tl_session_free", || match SESSIONS.lookup(session) {
+        Lookup::Null | Lookup::Closed => Ok(()),
+        Lookup::Invalid(failure) => Err(failure),
+        Lookup::Live(slot) => {
+            slot.release()?;
+            SESSIONS.remove(session);
+            Ok(())
         }
-        {
-            // SAFETY: live by the caller's contract.
-            let handle = unsafe { &*session };
-            drop(enter_cancelling(
-                &handle.session,
-                &handle.cancel,
-                "the session",
-            )?);
-        }
-        // SAFETY: from Box::into_raw in new_handle; no other thread uses it (contract).
-        drop(unsafe { Box::from_raw(session) });
-        Ok(())
     })
 }
 
 /// Request cancellation of the call running on `session`; it stops at the next token and
 /// returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score calls are not
-/// interruptible. TL_OK when nothing is running.
+/// interruptible. TL_OK when nothing is running or the session was freed.
 ///
-/// Ownership: none. Threads: any thread, any time while the handle is live (including the
-/// session's own stream callback).
-///
-/// # Safety
-/// `session` must be NULL or a live handle from `tl_session_new`.
+/// Ownership: none. Threads: any thread, any time (including the session's own stream
+/// callback).
 #[no_mangle]
-pub unsafe extern "C" fn tl_session_cancel(session: *const tl_session) -> tl_status {
-    boundary("tl_session_cancel", || {
-        // SAFETY: NULL or live by the caller's contract.
-        let handle =
-            unsafe { session.as_ref() }.ok_or_else(|| Failure::invalid("session is NULL"))?;
-        handle.cancel.cancel();
-        Ok(())
+pub extern "C" fn tl_session_cancel(session: *const tl_session) -> tl_status {
+    boundary("tl_session_cancel", || match SESSIONS.lookup(session) {
+        Lookup::Null => Err(Failure::invalid("session is NULL")),
+        Lookup::Invalid(failure) => Err(failure),
+        Lookup::Closed => Ok(()),
+        Lookup::Live(slot) => {
+            slot.cancel();
+            Ok(())
+        }
     })
 }
 
@@ -234,7 +303,7 @@ pub unsafe extern "C" fn tl_session_cancel(session: *const tl_session) -> tl_sta
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 ///
 /// # Safety
-/// `session` NULL or live; other pointers as `tl_generate`.
+/// Pointers other than `session` as `tl_generate`.
 #[no_mangle]
 pub unsafe extern "C" fn tl_session_generate(
     session: *const tl_session,
@@ -246,12 +315,10 @@ pub unsafe extern "C" fn tl_session_generate(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_session_generate", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_session(session, |s| {
-                ops::generate(s, tokens, n_tokens, params, out, cap, len)
-            })
-        }
+        with_session(session, "tl_session_generate", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::generate(s, tokens, n_tokens, params, out, cap, len) }
+        })
     })
 }
 
@@ -263,7 +330,7 @@ pub unsafe extern "C" fn tl_session_generate(
 /// session.
 ///
 /// # Safety
-/// `session` NULL or live; other arguments as `tl_generate_stream`.
+/// Arguments other than `session` as `tl_generate_stream`.
 #[no_mangle]
 pub unsafe extern "C" fn tl_session_generate_stream(
     session: *const tl_session,
@@ -274,12 +341,10 @@ pub unsafe extern "C" fn tl_session_generate_stream(
     user_data: *mut c_void,
 ) -> tl_status {
     boundary("tl_session_generate_stream", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_session(session, |s| {
-                ops::generate_stream(s, tokens, n_tokens, params, callback, user_data)
-            })
-        }
+        with_session(session, "tl_session_generate_stream", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::generate_stream(s, tokens, n_tokens, params, callback, user_data) }
+        })
     })
 }
 
@@ -289,7 +354,7 @@ pub unsafe extern "C" fn tl_session_generate_stream(
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 ///
 /// # Safety
-/// `session` NULL or live; other pointers as `tl_score_last`.
+/// Pointers other than `session` as `tl_score_last`.
 #[no_mangle]
 pub unsafe extern "C" fn tl_session_score_last(
     session: *const tl_session,
@@ -301,12 +366,10 @@ pub unsafe extern "C" fn tl_session_score_last(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_session_score_last", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_session(session, |s| {
-                ops::score_last(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_session(session, "tl_session_score_last", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::score_last(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }
 
@@ -316,8 +379,7 @@ pub unsafe extern "C" fn tl_session_score_last(
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
 ///
 /// # Safety
-/// `session` NULL or live; `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len`
-/// for one write.
+/// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 #[no_mangle]
 pub unsafe extern "C" fn tl_session_score(
     session: *const tl_session,
@@ -329,12 +391,10 @@ pub unsafe extern "C" fn tl_session_score(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_session_score", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_session(session, |s| {
-                ops::score(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_session(session, "tl_session_score", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::score(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }
 
@@ -356,11 +416,9 @@ pub unsafe extern "C" fn tl_session_logprobs(
     len: *mut usize,
 ) -> tl_status {
     boundary("tl_session_logprobs", || {
-        // SAFETY: caller's contract, forwarded.
-        unsafe {
-            with_session(session, |s| {
-                ops::logprobs(s, tokens, n_tokens, loops, out, cap, len)
-            })
-        }
+        with_session(session, "tl_session_logprobs", |s| {
+            // SAFETY: caller's contract, forwarded.
+            unsafe { ops::logprobs(s, tokens, n_tokens, loops, out, cap, len) }
+        })
     })
 }

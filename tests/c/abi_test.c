@@ -1,5 +1,6 @@
 /* C ABI test: drives every row of the bad-input table in docs/ABI.md, the buffer / ownership
- * conventions, concurrency (BUSY, cancellation, close while running) and the two-thread session
+ * conventions (close and free of closed handles, values that are not handles), concurrency
+ * (BUSY, cancellation, close while running and refusing new calls) and the two-thread session
  * test (concurrent results equal sequential ones).
  *
  *   cc -std=c11 -pthread -Iinclude tests/c/abi_test.c -Ltarget/release -ltinyloop -lm -o abi_test
@@ -429,8 +430,57 @@ static void test_use_after_close(void) {
     /* A session made before close keeps the weights alive and keeps working. */
     EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "session made before close still generates");
     tl_model_free(m);
+    tl_model_free(m);
+    EXPECT(tl_vram_usage_mb(m, &mb), TL_ERR_CLOSED, "tl_model_free after tl_close, and twice: no-ops");
+    EXPECT(tl_close(m), TL_OK, "tl_close after tl_model_free (no-op)");
     EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "... and after tl_model_free of its model");
     tl_session_free(s);
+    tl_session_free(s);
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_CLOSED, "tl_session_generate after tl_session_free (freed twice: no-op)");
+    CHECK(strstr(tl_last_error_message(), "tl_session_generate called on a freed session") != NULL, "  ... message names the function and says freed");
+    EXPECT(tl_session_score_last(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_session_score_last after tl_session_free");
+    EXPECT(tl_session_cancel(s), TL_OK, "tl_session_cancel after tl_session_free (no-op)");
+
+    /* Handle values are never reused: the closed handle stays closed while new models open. */
+    tl_model *fresh[4];
+    int distinct = 1;
+    for (int i = 0; i < 4; i++) {
+        fresh[i] = open_model(64);
+        distinct = distinct && fresh[i] != m;
+    }
+    CHECK(distinct, "new models get new handle values");
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_CLOSED, "  ... and the closed one stays closed");
+    EXPECT(tl_generate(fresh[3], PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "  ... while the new ones work");
+    for (int i = 0; i < 4; i++) EXPECT(tl_close(fresh[i]), TL_OK, "tl_close a new model");
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Rows: values that are not handles of the right kind.                                      */
+
+static void test_not_handles(void) {
+    tl_model *m = open_model(64);
+    tl_session *s = NULL;
+    EXPECT(tl_session_new(m, &s), TL_OK, "setup: session");
+    tl_generate_params gp = gen_params(2);
+    int32_t out[4];
+    size_t len;
+    double mb;
+
+    EXPECT(tl_generate((const tl_model *)s, PROMPT, N_PROMPT, &gp, out, 4, &len), TL_ERR_INVALID_ARGUMENT, "a tl_session passed as a tl_model");
+    CHECK(strstr(tl_last_error_message(), "model is a tl_session handle, not a tl_model") != NULL, "  ... message says so");
+    EXPECT(tl_session_generate((const tl_session *)m, PROMPT, N_PROMPT, &gp, out, 4, &len), TL_ERR_INVALID_ARGUMENT, "a tl_model passed as a tl_session");
+    EXPECT(tl_close((tl_model *)s), TL_ERR_INVALID_ARGUMENT, "tl_close of a tl_session (closes nothing)");
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 4, &len), TL_OK, "  ... the session still works");
+    static char not_a_handle[64];
+    tl_model *forged = (tl_model *)not_a_handle;
+    EXPECT(tl_vram_usage_mb(forged, &mb), TL_ERR_INVALID_ARGUMENT, "an address that is not a handle");
+    CHECK(strstr(tl_last_error_message(), "not a handle") != NULL, "  ... message says so");
+    EXPECT(tl_cancel(forged), TL_ERR_INVALID_ARGUMENT, "tl_cancel of a value that is not a handle");
+    tl_model_free(forged);
+    tl_session_free((tl_session *)not_a_handle);
+    CHECK(strstr(tl_last_error_message(), "tl_session_free: session is not a handle") != NULL, "tl_model_free / tl_session_free of non-handles only set the last error");
+    tl_session_free(s);
+    EXPECT(tl_close(m), TL_OK, "tl_close");
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -649,6 +699,52 @@ static void test_cancel(void) {
     tl_model_free(m);
 }
 
+/* tl_close, waiting for a stream parked in its callback, refuses new calls at once. */
+
+typedef struct {
+    tl_model *model;
+    tl_status status;
+} close_job;
+
+static void *close_thread(void *arg) {
+    close_job *job = arg;
+    job->status = tl_close(job->model);
+    return NULL;
+}
+
+static void test_close_liveness(void) {
+    tl_model *m = open_model(256);
+    gate g;
+    gate_init(&g, 0);
+    stream_job job = {m, NULL, &g, 100, TL_OK};
+    pthread_t streamer, closer;
+    pthread_create(&streamer, NULL, stream_thread, &job);
+    gate_wait_started(&g);
+    close_job cj = {m, TL_OK};
+    pthread_create(&closer, NULL, close_thread, &cj);
+    /* BUSY until close starts, then CLOSED; bounded so that a regression fails, not hangs. */
+    tl_generate_params gp = gen_params(2);
+    int32_t out[4];
+    size_t len;
+    tl_status st = TL_ERR_BUSY;
+    int other = 0;
+    for (int i = 0; i < 60000 && st == TL_ERR_BUSY; i++) {
+        st = tl_generate(m, PROMPT, N_PROMPT, &gp, out, 4, &len);
+        if (st == TL_ERR_BUSY) usleep(1000);
+        else if (st != TL_ERR_CLOSED) other = 1;
+    }
+    EXPECT(st, TL_ERR_CLOSED, "new calls get TL_ERR_CLOSED while tl_close waits for a running call");
+    CHECK(!other, "  ... and only TL_ERR_BUSY before");
+    double mb;
+    EXPECT(tl_vram_usage_mb(m, &mb), TL_ERR_CLOSED, "  ... non-waiting calls too");
+    gate_release(&g);
+    pthread_join(streamer, NULL);
+    pthread_join(closer, NULL);
+    EXPECT(job.status, TL_ERR_CANCELLED, "  ... the running stream is cancelled");
+    EXPECT(cj.status, TL_OK, "  ... and tl_close returns TL_OK once it has returned");
+    gate_destroy(&g);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Two threads, each with its own session over one shared model, generate concurrently; the  */
 /* results equal sequential runs (greedy and seeded sampling are deterministic).              */
@@ -761,8 +857,10 @@ int main(int argc, char **argv) {
     tl_model_free(m);
     test_open_and_lengths();
     test_use_after_close();
+    test_not_handles();
     test_busy();
     test_cancel();
+    test_close_liveness();
     test_concurrent_sessions();
     printf("abi_test: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
