@@ -263,6 +263,16 @@ enum tl_status tl_vram_usage_mb(const struct tl_model *model, double *out_mb);
 // `out` must be valid for `cap` bytes; `len` for one write.
 enum tl_status tl_model_device(const struct tl_model *model, char *out, size_t cap, size_t *len);
 
+// The KV cache mode of the model's sessions (e.g. "int8", or "age:64:128"), as chosen by
+// `tl_model_params.kv_mode` or the environment, as a NUL-terminated string in `out[0..cap]`;
+// `*len` and short buffers as in `tl_model_device`.
+//
+// Ownership: the caller owns `out`. Threads: any thread, concurrently with other calls.
+//
+// # Safety
+// `out` must be valid for `cap` bytes; `len` for one write.
+enum tl_status tl_model_kv_mode(const struct tl_model *model, char *out, size_t cap, size_t *len);
+
 // Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
 // model's default session (greedy by default; `params` NULL = defaults). On success the new
 // tokens (stop token excluded) are in `out[0..*len]`. `cap` must be >= max_tokens, else

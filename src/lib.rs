@@ -286,6 +286,11 @@ impl Model {
         &self.shared.options
     }
 
+    /// What the KV cache of this model's sessions stores.
+    pub fn kv_mode(&self) -> KvMode {
+        self.shared.kv_layout.mode
+    }
+
     /// Device memory held by the weights and every live session of this model, in bytes.
     pub fn memory_bytes(&self) -> usize {
         self.shared.info.weight_bytes + self.shared.session_bytes.load(Ordering::Relaxed)

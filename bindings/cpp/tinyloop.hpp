@@ -92,6 +92,9 @@ struct ModelOptions {
     bool log;
     /// "auto", "cpu", "cuda", "cuda:N"; empty uses TINYLOOP_DEVICE, or auto.
     std::string device;
+    /// KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
+    /// "age:A:B"; empty uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
+    std::string kv_mode;
 
     ModelOptions() {
         tl_model_params p;
@@ -262,6 +265,7 @@ public:
         p.max_loops = opts.max_loops;
         p.log = opts.log;
         p.device = opts.device.empty() ? nullptr : opts.device.c_str();
+        p.kv_mode = opts.kv_mode.empty() ? nullptr : opts.kv_mode.c_str();
         detail::check(tl_model_open(path.c_str(), &p, &ptr_));
     }
     Model(const Model&) = delete;
@@ -299,19 +303,27 @@ public:
     }
 
     /// The device the weights live on, in words.
-    std::string device() const {
-        std::size_t need = 0;
-        tl_status status = tl_model_device(ptr_, nullptr, 0, &need);
-        if (status != TL_ERR_BUFFER_TOO_SMALL) detail::check(status);
-        std::string s(need, '\0');
-        detail::check(tl_model_device(ptr_, s.data(), s.size(), &need));
-        s.resize(need > 0 ? need - 1 : 0);
-        return s;
-    }
+    std::string device() const { return text(tl_model_device); }
+
+    /// The KV cache mode of the model's sessions (as opened, or chosen by the environment).
+    std::string kv_mode() const { return text(tl_model_kv_mode); }
 
     /// A new session over this model's weights (defined below).
     Session new_session() const;
 
+private:
+    /// The string a tl_model_* text accessor writes.
+    std::string text(tl_status (*get)(const tl_model*, char*, std::size_t, std::size_t*)) const {
+        std::size_t need = 0;
+        tl_status status = get(ptr_, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) detail::check(status);
+        std::string s(need, '\0');
+        detail::check(get(ptr_, s.data(), s.size(), &need));
+        s.resize(need > 0 ? need - 1 : 0);
+        return s;
+    }
+
+public:
     /// The C handle (owned by this object).
     tl_model* get() const noexcept { return ptr_; }
 

@@ -78,7 +78,10 @@ type Options struct {
 	PrefillChunk int    // > 0: chunked prefill and a cap on score lengths; 0: off
 	Device       string // "auto", "cpu", "cuda", "cuda:N"; "" uses TINYLOOP_DEVICE or auto
 	MaxLoops     int    // the largest loops a call may ask for; > 0
-	Log          bool   // print the load log on stderr
+	// KVMode is the KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta",
+	// "age" or "age:A:B"; "" uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
+	KVMode string
+	Log    bool // print the load log on stderr
 }
 
 // DefaultOptions returns the library's defaults (tl_model_default_params).
@@ -427,6 +430,11 @@ func Open(path string, opts *Options) (*Model, error) {
 			defer C.free(unsafe.Pointer(device))
 			params.device = device
 		}
+		if opts.KVMode != "" {
+			kvMode := C.CString(opts.KVMode)
+			defer C.free(unsafe.Pointer(kvMode))
+			params.kv_mode = kvMode
+		}
 	}
 	cpath := C.CString(path)
 	defer C.free(unsafe.Pointer(cpath))
@@ -545,14 +553,28 @@ func (m *Model) VRAMUsageMB() (float64, error) {
 
 // Device describes the device the weights live on.
 func (m *Model) Device() (string, error) {
-	if err := m.h.enter("Device"); err != nil {
+	return m.text("Device", func(buf *C.char, n C.size_t, out *C.size_t) C.enum_tl_status {
+		return C.tl_model_device(m.ptr, buf, n, out)
+	})
+}
+
+// KVMode is the KV cache mode of the model's sessions (as chosen at Open or by the environment).
+func (m *Model) KVMode() (string, error) {
+	return m.text("KVMode", func(buf *C.char, n C.size_t, out *C.size_t) C.enum_tl_status {
+		return C.tl_model_kv_mode(m.ptr, buf, n, out)
+	})
+}
+
+// text returns the string a tl_model_* text accessor writes.
+func (m *Model) text(method string, get func(*C.char, C.size_t, *C.size_t) C.enum_tl_status) (string, error) {
+	if err := m.h.enter(method); err != nil {
 		return "", err
 	}
 	defer m.h.mu.RUnlock()
 	buf := make([]byte, 256)
 	var n C.size_t
-	err := call("Device", "model", func() C.enum_tl_status {
-		return C.tl_model_device(m.ptr, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)), &n)
+	err := call(method, "model", func() C.enum_tl_status {
+		return get((*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)), &n)
 	})
 	if err != nil {
 		return "", err

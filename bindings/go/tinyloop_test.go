@@ -111,6 +111,32 @@ func TestOpenFailures(t *testing.T) {
 	opts.Device = "tpu"
 	_, err = Open(modelPath, &opts)
 	wantStatus(t, err, StatusInvalidArgument, "device tpu")
+	opts = DefaultOptions()
+	opts.KVMode = "int3"
+	_, err = Open(modelPath, &opts)
+	wantStatus(t, err, StatusInvalidArgument, "kv mode int3")
+	if !strings.Contains(err.Error(), "fp16, fp16-h, int8-h, int4-h, int8, delta, age") {
+		t.Errorf("message does not list the modes: %v", err)
+	}
+}
+
+func TestKVModes(t *testing.T) {
+	for _, mode := range []string{"fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age:64:128"} {
+		opts := DefaultOptions()
+		opts.Device, opts.KVMode, opts.Log = "cpu", mode, false
+		m, err := Open(modelPath, &opts)
+		if err != nil {
+			t.Fatalf("%s: %v", mode, err)
+		}
+		if got, err := m.KVMode(); err != nil || got != mode {
+			t.Errorf("KVMode() = %q, %v; want %q", got, err, mode)
+		}
+		out, err := m.Generate(context.Background(), []int32{1, 2, 3, 4, 5}, nil)
+		if err != nil || len(out) == 0 {
+			t.Errorf("%s: Generate = %v, %v", mode, out, err)
+		}
+		m.Close()
+	}
 }
 
 func TestConfigAndMemory(t *testing.T) {

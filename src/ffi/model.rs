@@ -261,21 +261,46 @@ pub unsafe extern "C" fn tl_model_device(
 ) -> tl_status {
     boundary("tl_model_device", || {
         let m = model_of(model, "tl_model_device")?;
-        let mut bytes: Vec<c_char> = m
-            .info()
-            .device
-            .bytes()
-            .filter(|&b| b != 0)
-            .map(|b| b as c_char)
-            .collect();
-        bytes.push(0);
         // SAFETY: caller's contract on out / cap / len.
-        unsafe {
-            check_buffer(out, cap, len, bytes.len())?;
-            write_buffer(out, &bytes, len);
-        }
-        Ok(())
+        unsafe { write_string(&m.info().device, out, cap, len) }
     })
+}
+
+/// The KV cache mode of the model's sessions (e.g. "int8", or "age:64:128"), as chosen by
+/// `tl_model_params.kv_mode` or the environment, as a NUL-terminated string in `out[0..cap]`;
+/// `*len` and short buffers as in `tl_model_device`.
+///
+/// Ownership: the caller owns `out`. Threads: any thread, concurrently with other calls.
+///
+/// # Safety
+/// `out` must be valid for `cap` bytes; `len` for one write.
+#[no_mangle]
+pub unsafe extern "C" fn tl_model_kv_mode(
+    model: *const tl_model,
+    out: *mut c_char,
+    cap: usize,
+    len: *mut usize,
+) -> tl_status {
+    boundary("tl_model_kv_mode", || {
+        let m = model_of(model, "tl_model_kv_mode")?;
+        // SAFETY: caller's contract on out / cap / len.
+        unsafe { write_string(&m.kv_mode().to_string(), out, cap, len) }
+    })
+}
+
+/// Write `text` (NUL bytes dropped) and a terminating NUL to a buffer `(out, cap, len)`.
+///
+/// # Safety
+/// `out` must be valid for `cap` bytes; `len` for one write.
+unsafe fn write_string(text: &str, out: *mut c_char, cap: usize, len: *mut usize) -> FfiResult {
+    let mut bytes: Vec<c_char> = text.bytes().filter(|&b| b != 0).map(|b| b as c_char).collect();
+    bytes.push(0);
+    // SAFETY: caller's contract on out / cap / len.
+    unsafe {
+        check_buffer(out, cap, len, bytes.len())?;
+        write_buffer(out, &bytes, len);
+    }
+    Ok(())
 }
 
 /// Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the

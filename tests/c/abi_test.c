@@ -286,6 +286,8 @@ static void test_buffers(tl_model *m) {
     size_t need = len;
     EXPECT(tl_model_device(m, dev, need, &len), TL_OK, "tl_model_device exact size");
     CHECK(strlen(dev) + 1 == need, "  ... NUL-terminated, *len includes the NUL");
+    EXPECT(tl_model_kv_mode(m, dev, sizeof dev, &len), TL_OK, "tl_model_kv_mode");
+    CHECK(strcmp(dev, "fp16") == 0, "  ... the default mode is fp16");
 
     tl_session *s = NULL;
     EXPECT(tl_session_new(m, &s), TL_OK, "setup: tl_session_new");
@@ -355,6 +357,13 @@ static void test_open_and_lengths(void) {
     mp.device = "cuda:99";
     EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_DEVICE, "device \"cuda:99\" (no such GPU)");
     mp.device = "cpu";
+    mp.kv_mode = "int3";
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "kv_mode \"int3\"");
+    CHECK(strstr(tl_last_error_message(), "fp16, fp16-h, int8-h, int4-h, int8, delta, age") != NULL,
+          "  ... the message lists the modes");
+    mp.kv_mode = "age:4096:1024";
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "kv_mode age boundaries out of order");
+    mp.kv_mode = NULL;
     mp.struct_size = 4;
     EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "tl_model_params.struct_size too small");
     CHECK(m == NULL, "  ... no handle written by failed opens");

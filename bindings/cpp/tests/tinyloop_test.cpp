@@ -78,6 +78,23 @@ TEST(Model, OpenFailuresCarryStatusAndMessage) {
     tinyloop::ModelOptions opts;
     opts.max_seq_len = 0;
     EXPECT_EQ(status_of([&] { tinyloop::Model m(model_path(), opts); }), TL_ERR_INVALID_ARGUMENT);
+    tinyloop::ModelOptions bad_kv;
+    bad_kv.kv_mode = "int3";
+    EXPECT_EQ(status_of([&] { tinyloop::Model m(model_path(), bad_kv); }), TL_ERR_INVALID_ARGUMENT);
+}
+
+TEST(Model, EveryKvModeGenerates) {
+    for (const char* mode : {"fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age:64:128"}) {
+        tinyloop::ModelOptions opts;
+        opts.device = "cpu";
+        opts.log = false;
+        opts.kv_mode = mode;
+        tinyloop::Model m(model_path(), opts);
+        EXPECT_EQ(m.kv_mode(), mode);
+        tinyloop::GenerateOptions g;
+        g.max_tokens = 8;
+        EXPECT_EQ(m.generate({1, 2, 3, 4, 5}, g).size(), 8u) << mode;
+    }
 }
 
 TEST(Model, GenerateIsDeterministicAndMatchesStream) {

@@ -92,6 +92,21 @@ def test_bad_device_is_a_value_error(model_path):
         tinyloop_py.Model(model_path, device="tpu", log=False)
 
 
+@pytest.mark.parametrize("mode", ["fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age:64:128"])
+def test_every_kv_mode_opens_and_generates(model_path, mode):
+    with tinyloop_py.Model(model_path, max_seq_len=256, device="cpu", kv_mode=mode, log=False) as m:
+        assert m.kv_mode == mode
+        out = m.generate(list(range(1, 40)), max_tokens=8)
+        assert len(out) == 8 and all(0 <= t < 256 for t in out)
+
+
+def test_bad_kv_mode_is_a_value_error_listing_the_modes(model_path):
+    with pytest.raises(ValueError, match="fp16, fp16-h, int8-h, int4-h, int8, delta, age"):
+        tinyloop_py.Model(model_path, kv_mode="int3", log=False)
+    with pytest.raises(ValueError, match="out of order"):
+        tinyloop_py.Model(model_path, kv_mode="age:4096:1024", log=False)
+
+
 def test_load_is_an_alias(model_path):
     m = tinyloop_py.load(model_path, max_seq_len=64, device="cpu", log=False)
     try:

@@ -450,6 +450,9 @@ class Model(_Runner):
     :param device: "auto", "cpu", "cuda" or "cuda:N"; None uses ``TINYLOOP_DEVICE``, or
         "auto" when that is unset.
     :param max_loops: the largest ``loops`` a call may ask for.
+    :param kv_mode: the KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta",
+        "age" or "age:A:B" (ValueError for others); None uses ``TINYLOOP_KV_INT8`` /
+        ``TINYLOOP_KV_DELTA``, else "fp16".
     :param log: print the load log on stderr.
     :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
         is unusable; the message names the failure point.
@@ -472,6 +475,7 @@ class Model(_Runner):
         prefill_chunk: int = 0,
         device: Optional[str] = None,
         max_loops: int = 64,
+        kv_mode: Optional[str] = None,
         log: bool = True,
     ):
         super().__init__()
@@ -488,6 +492,8 @@ class Model(_Runner):
         params.log = bool(log)
         device_bytes = None if device is None else str(device).encode("utf-8")
         params.device = device_bytes
+        kv_mode_bytes = None if kv_mode is None else str(kv_mode).encode("utf-8")
+        params.kv_mode = kv_mode_bytes
         handle = ctypes.c_void_p()
         _check(
             _dll.tl_model_open(os.fsencode(os.fspath(path)), ctypes.byref(params),
@@ -528,9 +534,18 @@ class Model(_Runner):
     @property
     def device(self) -> str:
         """The device the weights live on, in words."""
+        return self._text("device", _dll.tl_model_device)
+
+    @property
+    def kv_mode(self) -> str:
+        """The KV cache mode of this model's sessions (as opened, or chosen by the
+        environment)."""
+        return self._text("kv_mode", _dll.tl_model_kv_mode)
+
+    def _text(self, method: str, fn) -> str:
         n = ctypes.c_size_t(0)
         buf = ctypes.create_string_buffer(256)
-        self._run_model("device", _dll.tl_model_device, buf, ctypes.sizeof(buf), ctypes.byref(n))
+        self._run_model(method, fn, buf, ctypes.sizeof(buf), ctypes.byref(n))
         return buf.value.decode("utf-8", "replace")
 
     def new_session(self) -> "Session":

@@ -50,6 +50,7 @@ class ModelParams(ctypes.Structure):
         ("device", ctypes.c_char_p),
         ("max_loops", ctypes.c_uint32),
         ("log", ctypes.c_bool),
+        ("kv_mode", ctypes.c_char_p),
     ]
 
 
@@ -114,6 +115,7 @@ _SIGNATURES = {
     "tl_model_config": (_status, [_p, ctypes.POINTER(Config)]),
     "tl_vram_usage_mb": (_status, [_p, ctypes.POINTER(ctypes.c_double)]),
     "tl_model_device": (_status, [_p, ctypes.c_char_p, _size, _sizep]),
+    "tl_model_kv_mode": (_status, [_p, ctypes.c_char_p, _size, _sizep]),
     "tl_generate": (
         _status,
         [_p, _i32p, _size, ctypes.POINTER(GenerateParams), _i32p, _size, _sizep],
