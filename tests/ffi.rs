@@ -706,3 +706,46 @@ fn last_error_is_per_thread() {
     assert_eq!(status, tl_status::TL_OK);
     assert_eq!(last_error(), here);
 }
+
+/// `tl_model_params` of the header's first version (without `kv_mode`, 32 bytes) is still
+/// accepted, the missing field taking its default; a size that is no version's is refused.
+#[test]
+fn model_params_of_an_earlier_header_version_are_accepted() {
+    let path = model_file("tiny");
+    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_model_default_params(params.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized by the call above.
+    let mut params = unsafe { params.assume_init() };
+    let device = CString::new("cpu").unwrap();
+    let garbage = CString::new("not a mode").unwrap();
+    params.device = device.as_ptr();
+    params.log = false;
+    // A v1 caller's struct ends before kv_mode: whatever lies there must not be read.
+    params.kv_mode = garbage.as_ptr();
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    for (size, expect) in [
+        (std::mem::offset_of!(tl_model_params, kv_mode), tl_status::TL_OK),
+        (36, tl_status::TL_ERR_INVALID_ARGUMENT),
+    ] {
+        params.struct_size = size;
+        let mut model = ptr::null_mut();
+        // SAFETY: valid strings, params (read up to struct_size) and out-pointer.
+        let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
+        assert_eq!(status, expect, "struct_size {size}: {}", last_error());
+        if status == tl_status::TL_OK {
+            let mut mode = [0 as std::ffi::c_char; 32];
+            let mut len = 0usize;
+            // SAFETY: a live model, a 32-byte buffer and a length out-pointer.
+            let st = unsafe { tl_model_kv_mode(model, mode.as_mut_ptr(), 32, &mut len) };
+            assert_eq!(st, tl_status::TL_OK);
+            // SAFETY: NUL-terminated by the call.
+            assert_eq!(unsafe { CStr::from_ptr(mode.as_ptr()) }.to_str(), Ok("fp16"));
+            // SAFETY: the model from tl_model_open above.
+            unsafe { tl_model_free(model) };
+        }
+    }
+}

@@ -10,8 +10,10 @@ use crate::{Device, GenerateParams, KvMode, ModelOptions, SamplingParams};
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct tl_model_params {
-    /// `sizeof(tl_model_params)`; set by `tl_model_default_params`. Smaller values are rejected
-    /// (`TL_ERR_INVALID_ARGUMENT`); larger values are accepted and the extra bytes ignored.
+    /// `sizeof(tl_model_params)`; set by `tl_model_default_params`. The size of this struct in
+    /// an earlier version of this header is accepted too (the fields added since take their
+    /// defaults); other smaller values are rejected (`TL_ERR_INVALID_ARGUMENT`); larger values
+    /// are accepted and the extra bytes ignored.
     pub struct_size: usize,
     /// Upper bound on prompt + generated tokens of one sequence. Must be > 0. Default 2048.
     pub max_seq_len: u32,
@@ -134,6 +136,37 @@ fn check_size(found: usize, needed: usize, what: &str) -> FfiResult {
     Ok(())
 }
 
+/// A params struct from the caller: this version's struct, or one of an earlier version of the
+/// header (its `struct_size` one of `earlier`), whose missing fields take their defaults.
+///
+/// # Safety
+/// `params` must be non-NULL and valid for reads of its `struct_size` bytes; `T` must start
+/// with the `usize` `struct_size`.
+unsafe fn read_versioned<T: Copy>(
+    params: *const T,
+    defaults: T,
+    earlier: &[usize],
+    what: &str,
+) -> FfiResult<T> {
+    // SAFETY: struct_size is the first field of every version; the caller's contract.
+    let size = unsafe { (params as *const usize).read() };
+    let ours = std::mem::size_of::<T>();
+    if size < ours && !earlier.contains(&size) {
+        check_size(size, ours, what)?;
+    }
+    let mut out = defaults;
+    // SAFETY: `size.min(ours)` bytes are readable at `params` (caller's contract) and writable in
+    // `out`; every earlier size ends at a field boundary, so no field is copied in part.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            params as *const u8,
+            &mut out as *mut T as *mut u8,
+            size.min(ours),
+        )
+    };
+    Ok(out)
+}
+
 /// A loop count argument: TL_LOOPS_DEFAULT means the model default; 0 and other negative values
 /// are passed on or rejected so that the message names the valid range.
 pub(crate) fn loops_arg(loops: i32) -> FfiResult<Option<usize>> {
@@ -189,16 +222,10 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
     let p = if params.is_null() {
         default_model_params()
     } else {
-        // SAFETY: non-NULL; the caller's struct is at least as large as `struct_size`, which we
-        // read first (it is the first field of every version of the struct).
-        let size = unsafe { std::ptr::addr_of!((*params).struct_size).read() };
-        check_size(
-            size,
-            std::mem::size_of::<tl_model_params>(),
-            "tl_model_params",
-        )?;
-        // SAFETY: the struct is at least as large as ours, so the whole read is in bounds.
-        unsafe { params.read() }
+        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
+        // header ended before `kv_mode`.
+        let v1 = std::mem::offset_of!(tl_model_params, kv_mode);
+        unsafe { read_versioned(params, default_model_params(), &[v1], "tl_model_params") }?
     };
     let device = if p.device.is_null() {
         None
@@ -235,15 +262,8 @@ pub(crate) unsafe fn generate_params(
     let p = if params.is_null() {
         default_generate_params()
     } else {
-        // SAFETY: as in `model_options`: struct_size is the first field of every version.
-        let size = unsafe { std::ptr::addr_of!((*params).struct_size).read() };
-        check_size(
-            size,
-            std::mem::size_of::<tl_generate_params>(),
-            "tl_generate_params",
-        )?;
-        // SAFETY: the struct is at least as large as ours.
-        unsafe { params.read() }
+        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes.
+        unsafe { read_versioned(params, default_generate_params(), &[], "tl_generate_params") }?
     };
     // SAFETY: the caller's contract covers stop_tokens / n_stop_tokens.
     let stop_tokens = unsafe {
