@@ -7,6 +7,8 @@ relative L2 error of the logits against the fp16 mode, and the NLL of the held-o
   the error is ||logits(mode) - logits(fp16)|| / ||logits(fp16)|| over every position.
 * NLL: `tinyloop MODEL score --kv MODE` on the first --limit bytes of the held-out text with the
   demo model at its default depth (windows of 512 bytes, as in the table above it).
+* `age` with its default boundaries (1024, 4096) holds these short sequences in its INT8 tier;
+  `age:64:128` moves most of them into the INT4 tiers.
 
     python3 tools/kv_quality.py --out-dir target/kv-quality [--device cpu] [--presets tiny small]
 """
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ["fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age"]
+MODES = ["fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age", "age:64:128"]
 
 
 def run(cmd):
