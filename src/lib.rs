@@ -15,22 +15,24 @@
 pub mod backend;
 pub mod convert;
 mod device;
+mod engine;
 pub mod error;
 pub mod ffi;
 pub mod format;
 pub mod generate;
+mod handle;
 pub mod kv;
 pub mod model;
+mod session;
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use backend::cpu::CpuBackend;
-use backend::cuda::CudaBackend;
 use backend::Backend;
-use generate::GenerateRequest;
+use engine::{CudaSession, Engine, Loaded, SessionState, Shared};
 use kv::KvLayout;
 use model::forward::Buffers;
 use model::weights::Weights;
@@ -40,9 +42,14 @@ pub use backend::cuda::kernels::ship as ship_kernels;
 pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;
+pub use generate::lens::TrajectoryPoint;
 pub use generate::sampling::SamplingParams;
+pub use generate::speculative::{Speculation, MAX_DRAFT_LEN};
+pub use generate::GenerateStats;
+pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
 pub use model::config::{HeadKind, ModelConfig, NormKind};
+pub use session::{CancelHandle, Session};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
@@ -113,56 +120,6 @@ pub struct ModelInfo {
     /// CUDA only: milliseconds this open spent compiling or loading kernels (part of `load_ms`).
     pub kernel_ms: f64,
     pub metadata: serde_json::Map<String, serde_json::Value>,
-}
-
-struct Loaded<B: Backend> {
-    backend: B,
-    weights: Weights<B>,
-}
-
-enum Engine {
-    Cpu(Loaded<CpuBackend>),
-    Cuda(Loaded<CudaBackend>),
-}
-
-enum SessionState {
-    Cpu(Buffers<CpuBackend>),
-    Cuda(CudaSession),
-}
-
-/// A CUDA session: its buffers and its own backend instance (stream, attention scratch) over the
-/// model's shared weights. Buffers drop first, then the stream.
-struct CudaSession {
-    buffers: Buffers<CudaBackend>,
-    backend: CudaBackend,
-}
-
-struct Shared {
-    engine: Engine,
-    options: ModelOptions,
-    /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
-    kv_layout: KvLayout,
-    info: ModelInfo,
-    /// Bytes held by live sessions (buffers and KV caches).
-    session_bytes: AtomicUsize,
-}
-
-/// Run `$body` with the backend, weights and buffers of a session, whatever the device.
-macro_rules! with_backend {
-    ($session:expr, |$backend:ident, $weights:ident, $buffers:ident| $body:expr) => {
-        match (&$session.shared.engine, &mut $session.state) {
-            (Engine::Cpu(loaded), SessionState::Cpu($buffers)) => {
-                let ($backend, $weights) = (&loaded.backend, &loaded.weights);
-                $body
-            }
-            (Engine::Cuda(loaded), SessionState::Cuda(session)) => {
-                let ($backend, $weights, $buffers) =
-                    (&session.backend, &loaded.weights, &mut session.buffers);
-                $body
-            }
-            _ => unreachable!("a session always matches its model's device"),
-        }
-    };
 }
 
 /// Immutable weights on one device. Cheap to clone; clones share the weights.
@@ -272,10 +229,7 @@ impl Model {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        match &self.shared.engine {
-            Engine::Cpu(l) => &l.weights.config,
-            Engine::Cuda(l) => &l.weights.config,
-        }
+        self.shared.config()
     }
 
     pub fn info(&self) -> &ModelInfo {
@@ -291,7 +245,8 @@ impl Model {
         self.shared.kv_layout.mode
     }
 
-    /// Device memory held by the weights and every live session of this model, in bytes.
+    /// Device memory held by the weights, every live session and every live prefix cache and
+    /// resume handle of this model, in bytes.
     pub fn memory_bytes(&self) -> usize {
         self.shared.info.weight_bytes + self.shared.session_bytes.load(Ordering::Relaxed)
     }
@@ -328,212 +283,6 @@ impl Model {
                 SessionState::Cuda(CudaSession { buffers, backend })
             }
         };
-        let mut session = Session {
-            shared: self.shared.clone(),
-            state,
-            cancel: Arc::new(AtomicBool::new(false)),
-            accounted_bytes: 0,
-        };
-        session.account();
-        Ok(session)
-    }
-}
-
-/// Cancels the call in flight on one session; `Send + Sync`, usable from any thread.
-#[derive(Clone, Debug)]
-pub struct CancelHandle(Arc<AtomicBool>);
-
-impl CancelHandle {
-    /// Stop the session's running call (it returns [`Error::Cancelled`]): generation at the next
-    /// token, prefill and scoring at the next block application. Has no effect on calls that
-    /// start later.
-    pub fn cancel(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
-/// Runtime buffers and KV cache of one sequence over a shared [`Model`].
-pub struct Session {
-    shared: Arc<Shared>,
-    state: SessionState,
-    cancel: Arc<AtomicBool>,
-    accounted_bytes: usize,
-}
-
-impl Session {
-    pub fn config(&self) -> &ModelConfig {
-        match &self.shared.engine {
-            Engine::Cpu(l) => &l.weights.config,
-            Engine::Cuda(l) => &l.weights.config,
-        }
-    }
-
-    pub fn cancel_handle(&self) -> CancelHandle {
-        CancelHandle(self.cancel.clone())
-    }
-
-    /// Generate tokens after `prompt`; returns only the new tokens.
-    pub fn generate(&mut self, prompt: &[u32], params: &GenerateParams) -> Result<Vec<u32>> {
-        self.generate_stream(prompt, params, &mut |_| true)
-    }
-
-    /// Like [`Session::generate`], calling `on_token` with each new token as soon as it exists;
-    /// returning false from it ends generation (not an error).
-    pub fn generate_stream(
-        &mut self,
-        prompt: &[u32],
-        params: &GenerateParams,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<Vec<u32>> {
-        // A cancel only concerns the call in flight; clear any earlier one before anything else.
-        self.cancel.store(false, Ordering::Release);
-        let loops = self.check_tokens(prompt, params.loops)?;
-        params.sampling.validate()?;
-        if params.max_tokens == 0 {
-            return Err(Error::invalid("max_tokens must be >= 1"));
-        }
-        let max_seq = self.shared.options.max_seq_len;
-        if prompt.len() + params.max_tokens > max_seq {
-            return Err(Error::invalid(format!(
-                "prompt of {} tokens + max_tokens {} exceeds max_seq_len {max_seq}",
-                prompt.len(),
-                params.max_tokens
-            )));
-        }
-        for &t in &params.stop_tokens {
-            self.check_token(t, "stop token")?;
-        }
-        let req = GenerateRequest {
-            max_tokens: params.max_tokens,
-            loops,
-            sampling: params.sampling,
-            stop_tokens: params.stop_tokens.clone(),
-        };
-        let cancel = self.cancel.clone();
-        let result = with_backend!(self, |b, w, buf| generate::generate(
-            b, w, buf, prompt, &req, &cancel, on_token
-        ));
-        self.account();
-        result
-    }
-
-    /// Logits `[n, vocab]` (row-major) for every position of `tokens`.
-    pub fn score(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
-        self.cancel.store(false, Ordering::Release);
-        let loops = self.check_score(tokens, loops)?;
-        let cancel = self.cancel.clone();
-        let result = with_backend!(self, |b, w, buf| generate::score(
-            b, w, buf, tokens, loops, &cancel
-        ));
-        self.account();
-        result
-    }
-
-    /// `log p(tokens[i + 1] | tokens[..=i])`, `n − 1` values. Needs at least two tokens.
-    pub fn logprobs(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
-        if tokens.len() < 2 {
-            return Err(Error::invalid("logprobs needs at least 2 tokens"));
-        }
-        let logits = self.score(tokens, loops)?;
-        let vocab = self.config().vocab_size;
-        Ok(generate::logprobs_from_logits(&logits, tokens, vocab))
-    }
-
-    /// Logits `[vocab]` at the last position of `tokens`.
-    pub fn score_last(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
-        self.cancel.store(false, Ordering::Release);
-        let loops = self.check_score(tokens, loops)?;
-        let cancel = self.cancel.clone();
-        let result = with_backend!(self, |b, w, buf| generate::score_last(
-            b, w, buf, tokens, loops, &cancel
-        ));
-        self.account();
-        result
-    }
-
-    /// Bytes of device memory this session holds (buffers and KV cache).
-    pub fn memory_bytes(&self) -> usize {
-        match &self.state {
-            SessionState::Cpu(buf) => buf.bytes + buf.kv.bytes(),
-            SessionState::Cuda(s) => s.buffers.bytes + s.buffers.kv.bytes() + s.backend.own_bytes(),
-        }
-    }
-
-    /// Bytes of the KV cache as allocated now (its slots grow with the loop count used).
-    pub fn kv_bytes(&self) -> usize {
-        match &self.state {
-            SessionState::Cpu(buf) => buf.kv.bytes(),
-            SessionState::Cuda(s) => s.buffers.kv.bytes(),
-        }
-    }
-
-    /// The KV cache mode of this session.
-    pub fn kv_mode(&self) -> KvMode {
-        self.shared.kv_layout.mode
-    }
-
-    /// Keep the model-wide count of session bytes current.
-    fn account(&mut self) {
-        let now = self.memory_bytes();
-        let counter = &self.shared.session_bytes;
-        counter.fetch_add(now, Ordering::Relaxed);
-        counter.fetch_sub(self.accounted_bytes, Ordering::Relaxed);
-        self.accounted_bytes = now;
-    }
-
-    fn check_token(&self, token: u32, what: &str) -> Result<()> {
-        let vocab = self.config().vocab_size;
-        if token as usize >= vocab {
-            return Err(Error::invalid(format!(
-                "{what} {token} is out of range for vocab_size {vocab}"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Validate a token sequence and resolve the loop count.
-    fn check_tokens(&self, tokens: &[u32], loops: Option<usize>) -> Result<usize> {
-        if tokens.is_empty() {
-            return Err(Error::invalid("empty token sequence"));
-        }
-        let max_seq = self.shared.options.max_seq_len;
-        if tokens.len() > max_seq {
-            return Err(Error::invalid(format!(
-                "{} tokens exceed max_seq_len {max_seq}",
-                tokens.len()
-            )));
-        }
-        for (i, &t) in tokens.iter().enumerate() {
-            self.check_token(t, &format!("token {i}:"))?;
-        }
-        let loops = loops.unwrap_or(self.config().default_loops);
-        let max_loops = self.shared.options.max_loops;
-        if loops == 0 || loops > max_loops {
-            return Err(Error::invalid(format!(
-                "loops must be in 1..={max_loops}, got {loops}"
-            )));
-        }
-        Ok(loops)
-    }
-
-    fn check_score(&self, tokens: &[u32], loops: Option<usize>) -> Result<usize> {
-        let loops = self.check_tokens(tokens, loops)?;
-        let chunk = self.shared.options.prefill_chunk;
-        if chunk > 0 && tokens.len() > chunk {
-            return Err(Error::invalid(format!(
-                "score APIs need seq_len <= prefill_chunk ({} > {chunk}): shorten the input or \
-                 open the model with prefill_chunk=0",
-                tokens.len()
-            )));
-        }
-        Ok(loops)
-    }
-}
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.shared
-            .session_bytes
-            .fetch_sub(self.accounted_bytes, Ordering::Relaxed);
+        Ok(Session::new(self.shared.clone(), state))
     }
 }

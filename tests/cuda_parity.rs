@@ -73,7 +73,7 @@ use tinyloop::backend::{
 use tinyloop::format::DType;
 use tinyloop::generate::sampling::{Rng, SamplingParams};
 use tinyloop::kv::{Application, KvCache, KvLayout, KvMode, TierBounds};
-use tinyloop::model::forward::{chosen_token, decode_step, forward, Buffers};
+use tinyloop::model::forward::{chosen_token, decode_step, forward, Buffers, Decode};
 use tinyloop::model::layout::Stage;
 use tinyloop::model::quant::{f16_to_bytes, quantize_rtn};
 use tinyloop::model::synth::{preset, random_model};
@@ -446,7 +446,7 @@ fn kv_cache<B: Backend>(
     let layout = KvLayout::new(&config, mode, capacity).unwrap();
     let slots = layout.slots(2);
     KvCache {
-        storage: b.alloc_kv(&layout, slots).unwrap(),
+        storage: b.alloc_kv(layout.bytes(slots)).unwrap(),
         layout,
         slots,
         bounds: Default::default(),
@@ -1023,8 +1023,8 @@ fn decode_parity(
                 start_pos: pos,
                 choice,
             };
-            decode_step(&cpu, &wc, &mut bc, input, loops).unwrap();
-            decode_step(&session, &wg, &mut bg, input, loops).unwrap();
+            decode_step(&cpu, &wc, &mut bc, input, Decode::plain(loops)).unwrap();
+            decode_step(&session, &wg, &mut bg, input, Decode::plain(loops)).unwrap();
             let c = cpu.read_float(&bc.logits, 0, vocab).unwrap();
             let g = session.read_float(&bg.logits, 0, vocab).unwrap();
             let e = rel(&g, &c);

@@ -728,7 +728,10 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
     params.kv_mode = garbage.as_ptr();
     let cpath = CString::new(path.to_str().unwrap()).unwrap();
     for (size, expect) in [
-        (std::mem::offset_of!(tl_model_params, kv_mode), tl_status::TL_OK),
+        (
+            std::mem::offset_of!(tl_model_params, kv_mode),
+            tl_status::TL_OK,
+        ),
         (36, tl_status::TL_ERR_INVALID_ARGUMENT),
     ] {
         params.struct_size = size;
@@ -743,9 +746,11 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
             let st = unsafe { tl_model_kv_mode(model, mode.as_mut_ptr(), 32, &mut len) };
             assert_eq!(st, tl_status::TL_OK);
             // SAFETY: NUL-terminated by the call.
-            assert_eq!(unsafe { CStr::from_ptr(mode.as_ptr()) }.to_str(), Ok("fp16"));
-            // SAFETY: the model from tl_model_open above.
-            unsafe { tl_model_free(model) };
+            assert_eq!(
+                unsafe { CStr::from_ptr(mode.as_ptr()) }.to_str(),
+                Ok("fp16")
+            );
+            tl_model_free(model);
         }
     }
 }

@@ -235,7 +235,7 @@ fn age_moves_entries_at_both_boundaries() {
         .map(|mode| {
             let layout = KvLayout::new(&config, mode.parse().unwrap(), capacity).unwrap();
             let mut kv = tinyloop::kv::KvCache {
-                storage: CpuBackend.alloc_kv(&layout, layout.slots(2)).unwrap(),
+                storage: CpuBackend.alloc_kv(layout.bytes(layout.slots(2))).unwrap(),
                 slots: layout.slots(2),
                 layout,
                 bounds: TierBounds::default(),

@@ -11,6 +11,10 @@ relative L2 error of the logits against the fp16 mode, and the NLL of the held-o
   `age:64:128` moves most of them into the INT4 tiers.
 
     python3 tools/kv_quality.py --out-dir target/kv-quality [--device cpu] [--presets tiny small]
+
+Results are saved per preset in the output folder and reused, so a table can combine presets
+measured on different machines (the same numbers come out of either backend, within the parity
+tolerances of tests/cuda_parity.rs).
 """
 
 import argparse
@@ -47,12 +51,19 @@ def main():
     import numpy as np
     import tinyloop_py
 
+    # Results are kept per preset (and for the NLL) in the output folder, so that parts measured
+    # elsewhere (tl-407m on a GPU host) join the same table.
     rows = {}
     for preset in args.presets:
+        saved = out / f"logits-{preset}.json"
+        if saved.exists():
+            for mode, cells in json.loads(saved.read_text()).items():
+                rows.setdefault(mode, {}).update(cells)
+            continue
         path = out / f"{preset}-b4.tinyloop"
         if not path.exists():
             run([args.tinyloop, "synth", "--preset", preset, "--seed", "1", "--bits", "4", "--out", path])
-        reference = {}
+        reference, these = {}, {}
         for mode in MODES:
             model = tinyloop_py.Model(path, max_seq_len=args.prompt_len, device=args.device,
                                       kv_mode=mode, log=False)
@@ -65,14 +76,21 @@ def main():
                         reference[loops] = logits
                     ref = reference[loops]
                     err = float(np.linalg.norm(logits - ref) / np.linalg.norm(ref))
-                    rows.setdefault(mode, {})[f"{preset} L={loops}"] = err
+                    these.setdefault(mode, {})[f"{preset} L={loops}"] = err
                     print(f"{preset} {mode} L={loops}: {err:.3e}", file=sys.stderr, flush=True)
+        saved.write_text(json.dumps(these, indent=1))
+        for mode, cells in these.items():
+            rows.setdefault(mode, {}).update(cells)
 
-    nll = {}
+    saved = out / "nll.json"
+    nll = json.loads(saved.read_text()) if saved.exists() else {}
     for mode in MODES:
+        if mode in nll:
+            continue
         text = run([args.tinyloop, args.demo, "score", "--file", args.heldout, "--limit", str(args.limit),
                     "--kv", mode, "--device", args.device, "--json", "-q"])
         nll[mode] = json.loads(text.strip().splitlines()[-1])["nll"]
+        saved.write_text(json.dumps(nll, indent=1))
 
     columns = [f"{preset} L={loops}" for preset in args.presets for loops in (1, 4, 8)]
     lines = ["| mode | " + " | ".join(columns) + " | demo NLL (nats/byte) | vs fp16 |",
@@ -84,7 +102,6 @@ def main():
     table = "\n".join(lines)
     print(table)
     (out / "kv-quality.md").write_text(table + "\n")
-    (out / "kv-quality.json").write_text(json.dumps({"logits_rel_l2": rows, "nll": nll}, indent=1))
 
 
 if __name__ == "__main__":

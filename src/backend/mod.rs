@@ -17,7 +17,7 @@ use half::f16;
 use crate::error::Result;
 use crate::format::DType;
 use crate::generate::sampling::{self, SamplingParams};
-use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
+use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
 use crate::model::quant::QuantizedMatrix;
 
@@ -106,11 +106,31 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn alloc_float(&self, len: usize) -> Result<Self::Float>;
     fn alloc_half(&self, len: usize) -> Result<Self::Half>;
     fn alloc_step(&self, max_rows: usize) -> Result<Self::Step>;
-    /// Zeroed storage for `layout.bytes(slots)` bytes.
-    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Self::KvStorage>;
-    /// Copy the first `bytes` bytes of one cache's storage to another's (growing a cache).
-    fn copy_kv(&self, from: &Self::KvStorage, to: &mut Self::KvStorage, bytes: usize)
-        -> Result<()>;
+    /// Zeroed KV storage of `bytes` bytes (a cache's [`KvLayout::bytes`], or a handle's slots).
+    fn alloc_kv(&self, bytes: usize) -> Result<Self::KvStorage>;
+    /// Copy `bytes` bytes between KV storages (growing a cache; prefix and resume handles), in
+    /// stream order.
+    fn copy_kv(
+        &self,
+        from: &Self::KvStorage,
+        from_offset: usize,
+        to: &mut Self::KvStorage,
+        to_offset: usize,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// Copy `rows` rows of `width` values from row `from_row` of `from` to row `to_row` of `to`
+    /// (saving and restoring residual streams).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_rows(
+        &self,
+        from: &Self::Float,
+        from_row: usize,
+        to: &mut Self::Float,
+        to_row: usize,
+        rows: usize,
+        width: usize,
+    );
 
     /// Bytes of device memory a buffer or weight occupies (for `vram_usage_mb`).
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
@@ -251,6 +271,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Round the first `len` values to f16.
     fn to_half(&self, x: &Self::Float, len: usize, out: &mut Self::Half);
 
+    /// Wait until the work issued so far has finished (before other streams read its results).
+    fn synchronize(&self) -> Result<()>;
+
     /// Copy `len` values starting at `offset` to the host (waits for the device).
     fn read_float(&self, x: &Self::Float, offset: usize, len: usize) -> Result<Vec<f32>>;
 
@@ -264,6 +287,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// The token of the last [`Backend::choose`] (waits for the device).
     fn chosen_token(&self, step: &Self::Step) -> Result<u32>;
+
+    /// The argmax of each of the first `rows` rows of `len` logits, into the step (at most the
+    /// step's row capacity); read them with [`Backend::chosen_tokens`].
+    fn argmax_rows(&self, logits: &Self::Float, rows: usize, len: usize, step: &mut Self::Step);
+
+    /// The tokens of the last [`Backend::argmax_rows`] (waits for the device).
+    fn chosen_tokens(&self, step: &Self::Step, rows: usize) -> Result<Vec<u32>>;
 
     // Decode graphs (model/forward.rs `decode_step`). The defaults capture nothing, so a backend
     // without graphs runs the same ops eagerly.

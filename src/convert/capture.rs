@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::backend::cpu::{dot, CpuBackend, CpuLinear, CpuStep};
 use crate::backend::{Backend, HostLinear, NormLayer, StepInput};
 use crate::error::Result;
-use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
+use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
 pub struct Hessian {
@@ -118,12 +118,31 @@ impl Backend for CaptureBackend {
         CpuBackend.alloc_step(max_rows)
     }
 
-    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Vec<u8>> {
-        CpuBackend.alloc_kv(layout, slots)
+    fn alloc_kv(&self, bytes: usize) -> Result<Vec<u8>> {
+        CpuBackend.alloc_kv(bytes)
     }
 
-    fn copy_kv(&self, from: &Vec<u8>, to: &mut Vec<u8>, bytes: usize) -> Result<()> {
-        CpuBackend.copy_kv(from, to, bytes)
+    fn copy_kv(
+        &self,
+        from: &Vec<u8>,
+        from_offset: usize,
+        to: &mut Vec<u8>,
+        to_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        CpuBackend.copy_kv(from, from_offset, to, to_offset, bytes)
+    }
+
+    fn copy_rows(
+        &self,
+        from: &Vec<f32>,
+        from_row: usize,
+        to: &mut Vec<f32>,
+        to_row: usize,
+        rows: usize,
+        width: usize,
+    ) {
+        CpuBackend.copy_rows(from, from_row, to, to_row, rows, width)
     }
 
     fn linear_bytes(&self, w: &CaptureLinear) -> usize {
@@ -213,6 +232,10 @@ impl Backend for CaptureBackend {
         CpuBackend.to_half(x, len, out)
     }
 
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
         CpuBackend.read_float(x, offset, len)
     }
@@ -227,5 +250,13 @@ impl Backend for CaptureBackend {
 
     fn chosen_token(&self, step: &CpuStep) -> Result<u32> {
         CpuBackend.chosen_token(step)
+    }
+
+    fn argmax_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        CpuBackend.argmax_rows(logits, rows, len, step)
+    }
+
+    fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
+        CpuBackend.chosen_tokens(step, rows)
     }
 }

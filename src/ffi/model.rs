@@ -293,7 +293,11 @@ pub unsafe extern "C" fn tl_model_kv_mode(
 /// # Safety
 /// `out` must be valid for `cap` bytes; `len` for one write.
 unsafe fn write_string(text: &str, out: *mut c_char, cap: usize, len: *mut usize) -> FfiResult {
-    let mut bytes: Vec<c_char> = text.bytes().filter(|&b| b != 0).map(|b| b as c_char).collect();
+    let mut bytes: Vec<c_char> = text
+        .bytes()
+        .filter(|&b| b != 0)
+        .map(|b| b as c_char)
+        .collect();
     bytes.push(0);
     // SAFETY: caller's contract on out / cap / len.
     unsafe {

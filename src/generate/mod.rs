@@ -1,14 +1,20 @@
 //! Generation and scoring over any backend: prefill (chunked when the prompt is longer than the
-//! step buffers), the decode loop, and per-position logits.
+//! step buffers), the decode loop, per-position logits; self-speculative decoding
+//! ([`speculative`]), the logit lens and trajectory ([`lens`]), prefix caches and resume handles
+//! ([`handles`]).
 
+pub mod handles;
+pub mod lens;
 pub mod sampling;
+pub mod speculative;
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use crate::backend::{Backend, Choice, StepInput};
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, LOGIT_ROWS,
+    choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode, LOGIT_ROWS,
 };
 use crate::model::weights::Weights;
 use sampling::{Rng, SamplingParams};
@@ -23,13 +29,116 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
 }
 
-/// Feed `tokens` from position 0 in steps of at most `buf.max_rows` rows; the last step carries
-/// `choice`. Returns the row index of the last token within the final step.
-fn prefill<B: Backend>(
+/// What the last generation call of a session did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GenerateStats {
+    /// Tokens returned.
+    pub tokens: usize,
+    /// From the call's start to the first token (prefill, or restoring a handle, plus one head).
+    pub prefill_ms: f64,
+    /// From the first token to the end.
+    pub decode_ms: f64,
+    /// Speculative calls: tokens drafted and accepted by the verify pass.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Speculative calls: drafted positions where the draft's argmax equals the verify pass's.
+    pub agreed: usize,
+}
+
+impl GenerateStats {
+    /// `accepted / drafted` (0 without drafts).
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.accepted, self.drafted)
+    }
+
+    /// `agreed / drafted`: the draft/verify argmax agreement (0 without drafts).
+    pub fn agreement(&self) -> f64 {
+        ratio(self.agreed, self.drafted)
+    }
+}
+
+fn ratio(a: usize, b: usize) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// The tokens a generation call returns, and the rules that end it: `max_tokens`, a stop token,
+/// the callback returning false, or cancellation.
+pub(crate) struct Output<'a> {
+    req: &'a GenerateRequest,
+    cancel: &'a AtomicBool,
+    on_token: &'a mut dyn FnMut(u32) -> bool,
+    pub tokens: Vec<u32>,
+    pub done: bool,
+    start: Instant,
+    pub stats: GenerateStats,
+}
+
+impl<'a> Output<'a> {
+    pub fn new(
+        req: &'a GenerateRequest,
+        cancel: &'a AtomicBool,
+        on_token: &'a mut dyn FnMut(u32) -> bool,
+    ) -> Output<'a> {
+        Output {
+            req,
+            cancel,
+            on_token,
+            tokens: Vec::with_capacity(req.max_tokens),
+            done: false,
+            start: Instant::now(),
+            stats: GenerateStats::default(),
+        }
+    }
+
+    /// Take the next token; false once generation has ended (then later tokens are dropped).
+    pub fn push(&mut self, token: u32) -> Result<bool> {
+        if self.done {
+            return Ok(false);
+        }
+        if self.cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
+        if self.tokens.is_empty() {
+            self.stats.prefill_ms = self.start.elapsed().as_secs_f64() * 1e3;
+        }
+        if self.req.stop_tokens.contains(&token) {
+            self.done = true;
+            return Ok(false);
+        }
+        self.tokens.push(token);
+        if !(self.on_token)(token) || self.tokens.len() == self.req.max_tokens {
+            self.done = true;
+        }
+        Ok(!self.done)
+    }
+
+    /// Tokens still allowed.
+    pub fn remaining(&self) -> usize {
+        self.req.max_tokens - self.tokens.len()
+    }
+
+    /// The tokens and the call's statistics.
+    pub fn finish(mut self) -> (Vec<u32>, GenerateStats) {
+        let total = self.start.elapsed().as_secs_f64() * 1e3;
+        self.stats.tokens = self.tokens.len();
+        self.stats.decode_ms = (total - self.stats.prefill_ms).max(0.0);
+        (self.tokens, self.stats)
+    }
+}
+
+/// Feed `tokens` from position `start` in steps of at most `buf.max_rows` rows through the whole
+/// network; the last step carries `choice`. Returns the row of the last token in the last step.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     tokens: &[u32],
+    start: usize,
     loops: usize,
     choice: Choice,
     cancel: &AtomicBool,
@@ -39,7 +148,7 @@ fn prefill<B: Backend>(
     for (i, chunk) in tokens.chunks(buf.max_rows).enumerate() {
         let input = StepInput {
             tokens: chunk,
-            start_pos: i * buf.max_rows,
+            start_pos: start + i * buf.max_rows,
             choice: if i + 1 == chunks {
                 choice
             } else {
@@ -53,7 +162,7 @@ fn prefill<B: Backend>(
 }
 
 /// How the next token is chosen: greedily, or by sampling with the generator's next draw.
-fn next_choice(params: &SamplingParams, rng: &mut Rng) -> Choice {
+pub(crate) fn next_choice(params: &SamplingParams, rng: &mut Rng) -> Choice {
     if params.is_greedy() {
         Choice::Greedy
     } else {
@@ -64,17 +173,41 @@ fn next_choice(params: &SamplingParams, rng: &mut Rng) -> Choice {
     }
 }
 
-/// Logits of one row of the current step, on the host.
-fn row_logits<B: Backend>(
+/// Choose the first token from the final-normed row `row` of the last staged step.
+pub(crate) fn first_token<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
-    rows: usize,
     row: usize,
-) -> Result<Vec<f32>> {
-    final_norm(backend, w, buf, rows);
+) -> Result<u32> {
+    final_norm(backend, w, buf, row + 1);
     logits(backend, w, buf, row, 1);
-    backend.read_float(&buf.logits, 0, w.config.vocab_size)
+    choose(backend, w, buf);
+    chosen_token(backend, buf)
+}
+
+/// Plain decoding: feed `next` at `pos`, take the chosen token, until the output ends.
+pub(crate) fn decode<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    out: &mut Output,
+    mut next: u32,
+    mut pos: usize,
+    rng: &mut Rng,
+) -> Result<()> {
+    let (loops, sampling) = (out.req.loops, out.req.sampling);
+    while out.push(next)? {
+        let input = StepInput {
+            tokens: &[next],
+            start_pos: pos,
+            choice: next_choice(&sampling, rng),
+        };
+        decode_step(backend, w, buf, input, Decode::plain(loops))?;
+        pos += 1;
+        next = chosen_token(backend, buf)?;
+    }
+    Ok(())
 }
 
 /// Generate up to `req.max_tokens` tokens after `prompt`, calling `on_token` for each; generation
@@ -87,37 +220,14 @@ pub fn generate<B: Backend>(
     req: &GenerateRequest,
     cancel: &AtomicBool,
     on_token: &mut dyn FnMut(u32) -> bool,
-) -> Result<Vec<u32>> {
+) -> Result<(Vec<u32>, GenerateStats)> {
     let mut rng = Rng::new(req.sampling.seed);
-    let mut out = Vec::with_capacity(req.max_tokens);
+    let mut out = Output::new(req, cancel, on_token);
     let choice = next_choice(&req.sampling, &mut rng);
-    let last = prefill(backend, w, buf, prompt, req.loops, choice, cancel)?;
-    final_norm(backend, w, buf, last + 1);
-    logits(backend, w, buf, last, 1);
-    choose(backend, w, buf);
-    let mut next = chosen_token(backend, buf)?;
-    let mut pos = prompt.len();
-    loop {
-        if cancel.load(Ordering::Acquire) {
-            return Err(Error::Cancelled);
-        }
-        if req.stop_tokens.contains(&next) {
-            break;
-        }
-        out.push(next);
-        if !on_token(next) || out.len() == req.max_tokens {
-            break;
-        }
-        let input = StepInput {
-            tokens: &[next],
-            start_pos: pos,
-            choice: next_choice(&req.sampling, &mut rng),
-        };
-        decode_step(backend, w, buf, input, req.loops)?;
-        pos += 1;
-        next = chosen_token(backend, buf)?;
-    }
-    Ok(out)
+    let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
+    let first = first_token(backend, w, buf, last)?;
+    decode(backend, w, buf, &mut out, first, prompt.len(), &mut rng)?;
+    Ok(out.finish())
 }
 
 /// Logits `[n, vocab]` for every position of `tokens` (single step: `tokens.len() <= max_rows`).
@@ -131,18 +241,7 @@ pub fn score<B: Backend>(
 ) -> Result<Vec<f32>> {
     let vocab = w.config.vocab_size;
     let n = tokens.len();
-    forward(
-        backend,
-        w,
-        buf,
-        StepInput {
-            tokens,
-            start_pos: 0,
-            choice: Choice::Greedy,
-        },
-        loops,
-        cancel,
-    )?;
+    forward(backend, w, buf, whole(tokens), loops, cancel)?;
     final_norm(backend, w, buf, n);
     let mut out = Vec::with_capacity(n * vocab);
     for first in (0..n).step_by(LOGIT_ROWS) {
@@ -163,19 +262,19 @@ pub fn score_last<B: Backend>(
     cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
     let n = tokens.len();
-    forward(
-        backend,
-        w,
-        buf,
-        StepInput {
-            tokens,
-            start_pos: 0,
-            choice: Choice::Greedy,
-        },
-        loops,
-        cancel,
-    )?;
-    row_logits(backend, w, buf, n, n - 1)
+    forward(backend, w, buf, whole(tokens), loops, cancel)?;
+    final_norm(backend, w, buf, n);
+    logits(backend, w, buf, n - 1, 1);
+    backend.read_float(&buf.logits, 0, w.config.vocab_size)
+}
+
+/// `tokens` as one greedy step from position 0.
+pub(crate) fn whole(tokens: &[u32]) -> StepInput<'_> {
+    StepInput {
+        tokens,
+        start_pos: 0,
+        choice: Choice::Greedy,
+    }
 }
 
 /// `log p(tokens[i + 1] | tokens[..=i])` for `i < n − 1`, from f64 log-softmax of each row.

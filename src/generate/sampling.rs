@@ -131,6 +131,40 @@ pub fn sample(logits: &[f32], params: &SamplingParams, draw: u64) -> u32 {
 /// `inv_temp` given directly, no greedy shortcut. `top_k` 0 or >= `logits.len()` keeps all,
 /// `top_p` >= 1 keeps all; only the low 53 bits of `draw` are used.
 pub fn sample_raw(logits: &[f32], top_k: usize, inv_temp: f32, top_p: f32, draw: u64) -> u32 {
+    let (kept, total) = kept_masses(logits, top_k, inv_temp, top_p);
+    if total == 0 {
+        return argmax(logits);
+    }
+    let u = (draw & DRAW_MASK) as f64 * (1.0 / (1u64 << 53) as f64);
+    let r = ((u * total as f64) as u64).min(total - 1);
+    let mut acc = 0u64;
+    for (i, w) in kept.iter().enumerate() {
+        acc += w;
+        if acc > r {
+            return i as u32;
+        }
+    }
+    unreachable!("the running mass reaches total > r")
+}
+
+/// The probability of each token under [`sample`] with `params` (one-hot on the argmax when
+/// greedy or when nothing keeps any mass). Exact up to the 2⁻⁵³ resolution of a draw.
+pub fn distribution(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
+    let (kept, total) = if params.is_greedy() {
+        (Vec::new(), 0)
+    } else {
+        kept_masses(logits, params.top_k, inv_temperature(params), params.top_p)
+    };
+    if total == 0 {
+        let mut p = vec![0.0; logits.len()];
+        p[argmax(logits) as usize] = 1.0;
+        return p;
+    }
+    kept.iter().map(|&w| w as f64 / total as f64).collect()
+}
+
+/// The fixed-point mass each token keeps after the top-k and top-p cuts, and their total.
+fn kept_masses(logits: &[f32], top_k: usize, inv_temp: f32, top_p: f32) -> (Vec<u64>, u64) {
     let keys: Vec<u32> = logits.iter().map(|&v| order_key(v)).collect();
     // The max through its key, so that +0 beats -0 deterministically (NaN has key 0).
     let max = match keys.iter().copied().max() {
@@ -154,7 +188,7 @@ pub fn sample_raw(logits: &[f32], top_k: usize, inv_temp: f32, top_p: f32, draw:
     let kept_k = || by_key.iter().take_while(|e| e.0 >= cut_k);
     let mass_k: u64 = kept_k().map(|e| e.1).sum();
     if mass_k == 0 {
-        return argmax(logits);
+        return (vec![0; n], 0);
     }
     let cut = if top_p < 1.0 {
         let target = ((top_p as f64 * mass_k as f64) as u64).max(1);
@@ -169,26 +203,13 @@ pub fn sample_raw(logits: &[f32], top_k: usize, inv_temp: f32, top_p: f32, draw:
     } else {
         cut_k
     };
-
-    let kept = || {
-        keys.iter()
-            .zip(&masses)
-            .map(move |(&k, &w)| if k >= cut { w } else { 0 })
-    };
-    let total: u64 = kept().sum();
-    if total == 0 {
-        return argmax(logits);
-    }
-    let u = (draw & DRAW_MASK) as f64 * (1.0 / (1u64 << 53) as f64);
-    let r = ((u * total as f64) as u64).min(total - 1);
-    let mut acc = 0u64;
-    for (i, w) in kept().enumerate() {
-        acc += w;
-        if acc > r {
-            return i as u32;
-        }
-    }
-    unreachable!("the running mass reaches total > r")
+    let kept: Vec<u64> = keys
+        .iter()
+        .zip(&masses)
+        .map(|(&k, &w)| if k >= cut { w } else { 0 })
+        .collect();
+    let total = kept.iter().sum();
+    (kept, total)
 }
 
 const DRAW_MASK: u64 = (1 << 53) - 1;

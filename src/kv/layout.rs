@@ -179,7 +179,7 @@ impl KvLayout {
         if let KvMode::Age(tiers) = mode {
             tiers.validate()?;
         }
-        let mut layout = KvLayout {
+        Ok(KvLayout {
             mode,
             capacity,
             heads,
@@ -190,7 +190,25 @@ impl KvLayout {
             tiers: Vec::new(),
             slot_bytes: 0,
             scratch: Scratch::default(),
-        };
+        }
+        .place())
+    }
+
+    /// The same mode and model for `capacity` positions (a handle holding a sequence's entries).
+    pub fn with_capacity(&self, capacity: usize) -> KvLayout {
+        KvLayout {
+            capacity,
+            tiers: Vec::new(),
+            slot_bytes: 0,
+            scratch: Scratch::default(),
+            ..self.clone()
+        }
+        .place()
+    }
+
+    /// Lay out the tiers, regions and scratch of a checked mode and shape.
+    fn place(mut self) -> KvLayout {
+        let (mode, capacity, heads) = (self.mode, self.capacity, self.heads);
         let plain = |codes, scales| vec![(codes, scales, capacity)];
         let tiers = match mode {
             KvMode::Fp16 | KvMode::Fp16H => plain(Codes::F16, Scales::None),
@@ -198,19 +216,19 @@ impl KvLayout {
             KvMode::Int4H => plain(Codes::I4, Scales::F16),
             KvMode::Age(t) => age_tiers(t, capacity),
         };
-        let (width, groups) = layout.entry_shape();
+        let (width, groups) = self.entry_shape();
         let mut offset = 0;
         for (codes, scales, ring) in tiers {
             let row_bytes = codes.row_bytes(width);
             let scale_row_bytes = groups * scales.bytes();
             let mut regions = [Regions::default(); 2];
-            for r in regions.iter_mut().take(layout.tensors()) {
+            for r in regions.iter_mut().take(self.tensors()) {
                 r.codes = offset;
                 offset += align(ring * row_bytes);
                 r.scales = offset;
                 offset += align(ring * scale_row_bytes);
             }
-            layout.tiers.push(Tier {
+            self.tiers.push(Tier {
                 codes,
                 scales,
                 ring,
@@ -219,7 +237,7 @@ impl KvLayout {
                 scale_row_bytes,
             });
         }
-        layout.slot_bytes = offset;
+        self.slot_bytes = offset;
         if mode.stores_input() {
             let kv = align(capacity * heads.kv_dim() * 2);
             let rows = capacity.min(H_TILE);
@@ -227,9 +245,9 @@ impl KvLayout {
             let h = if mode == KvMode::Fp16H {
                 0
             } else {
-                align(rows * config.dim * 2)
+                align(rows * self.dim * 2)
             };
-            layout.scratch = Scratch {
+            self.scratch = Scratch {
                 k: 0,
                 v: kv,
                 product: 2 * kv,
@@ -237,7 +255,7 @@ impl KvLayout {
                 bytes: 2 * kv + product + h,
             };
         }
-        Ok(layout)
+        self
     }
 
     /// Entries per position: 2 (K and V) or 1 (h).

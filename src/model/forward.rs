@@ -17,27 +17,80 @@ use crate::model::weights::{BlockWeights, Head, Norm, Weights};
 /// Logit rows computed per head call; bounds the logits buffer at `LOGIT_ROWS × vocab`.
 pub const LOGIT_ROWS: usize = 16;
 
+/// Which block applications a step runs, in order: the embedding and pre blocks (`start`; when
+/// false the residual stream is already in place), loop iterations `first..=last` (1-based; none
+/// when `first > last`), and the post blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub start: bool,
+    pub first: usize,
+    pub last: usize,
+    pub post: bool,
+}
+
+impl Span {
+    /// The whole network at `loops` iterations.
+    pub fn all(loops: usize) -> Span {
+        Span {
+            start: true,
+            first: 1,
+            last: loops,
+            post: true,
+        }
+    }
+
+    /// Loop iterations `first..=last` alone.
+    pub fn iterations(first: usize, last: usize) -> Span {
+        Span {
+            start: false,
+            first,
+            last,
+            post: false,
+        }
+    }
+
+    /// The post blocks alone.
+    pub fn post() -> Span {
+        Span {
+            start: false,
+            first: 1,
+            last: 0,
+            post: true,
+        }
+    }
+
+    /// The block applications of this span, in order.
+    pub fn applications(self, config: &ModelConfig) -> impl Iterator<Item = Application> + '_ {
+        let stage = |stage, n: usize| {
+            (0..n).map(move |block| Application {
+                stage,
+                block,
+                iteration: 0,
+            })
+        };
+        let k = config.n_loop_blocks;
+        let body = (self.first..=self.last).flat_map(move |iteration| {
+            (0..k).map(move |block| Application {
+                stage: Stage::Loop,
+                block,
+                iteration,
+            })
+        });
+        let pre = if self.start { config.n_pre_blocks } else { 0 };
+        let post = if self.post { config.n_post_blocks } else { 0 };
+        stage(Stage::Pre, pre)
+            .chain(body)
+            .chain(stage(Stage::Post, post))
+    }
+}
+
 /// The block applications of `loops` iterations, in order.
 pub fn schedule(config: &ModelConfig, loops: usize) -> impl Iterator<Item = Application> + '_ {
-    let stage = |stage, n: usize| {
-        (0..n).map(move |block| Application {
-            stage,
-            block,
-            iteration: 0,
-        })
-    };
-    let k = config.n_loop_blocks;
-    let body = (1..=loops).flat_map(move |iteration| {
-        (0..k).map(move |block| Application {
-            stage: Stage::Loop,
-            block,
-            iteration,
-        })
-    });
-    stage(Stage::Pre, config.n_pre_blocks)
-        .chain(body)
-        .chain(stage(Stage::Post, config.n_post_blocks))
+    Span::all(loops).applications(config)
 }
+
+/// Rows of [`Buffers::hidden`]: the most positions one speculative round saves.
+pub const HIDDEN_ROWS: usize = LOGIT_ROWS;
 
 /// Per-session runtime buffers, allocated once for `max_rows` rows per step, and the KV cache.
 pub struct Buffers<B: Backend> {
@@ -52,6 +105,8 @@ pub struct Buffers<B: Backend> {
     factor: B::Float,
     factor_half: B::Half,
     pub logits: B::Float,
+    /// Residual streams saved by decode steps ([`Decode::hidden_row`]): `HIDDEN_ROWS × dim`.
+    pub hidden: B::Float,
     step: B::Step,
     /// Slots are added as calls need them (more loop iterations), keeping what they hold.
     pub kv: KvCache<B::KvStorage>,
@@ -74,7 +129,8 @@ impl<B: Backend> Buffers<B> {
         let half_len = [rows(wide)?, rows(d)?, rows(f)?];
         let logits_len = elements(LOGIT_ROWS, config.vocab_size, "logits")?;
         let factor_len = LOGIT_ROWS * r.max(1);
-        let bytes = 4 * (float_len.iter().sum::<usize>() + logits_len + factor_len)
+        let bytes = 4
+            * (float_len.iter().sum::<usize>() + logits_len + factor_len + HIDDEN_ROWS * d)
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
         Ok(Buffers {
             max_rows,
@@ -88,15 +144,26 @@ impl<B: Backend> Buffers<B> {
             factor: backend.alloc_float(factor_len)?,
             factor_half: backend.alloc_half(factor_len)?,
             logits: backend.alloc_float(logits_len)?,
+            hidden: backend.alloc_float(HIDDEN_ROWS * d)?,
             step: backend.alloc_step(max_rows)?,
             kv: KvCache {
-                storage: backend.alloc_kv(&kv, 0)?,
+                storage: backend.alloc_kv(kv.bytes(0))?,
                 layout: kv,
                 slots: 0,
                 bounds: Default::default(),
             },
             bytes,
         })
+    }
+
+    /// The residual stream, `max_rows × dim` f32.
+    pub fn residual(&self) -> &B::Float {
+        &self.x
+    }
+
+    /// Width of the residual stream (the model dimension).
+    pub fn width(&self) -> usize {
+        self.kv.layout.dim
     }
 
     /// Make sure the KV cache has at least `slots` slots; growing it keeps every entry.
@@ -106,12 +173,9 @@ impl<B: Backend> Buffers<B> {
             return Ok(());
         }
         backend.graph_reset(&mut self.step); // captured graphs point at the old storage
-        let mut storage = backend.alloc_kv(&kv.layout, slots)?;
-        backend.copy_kv(
-            &kv.storage,
-            &mut storage,
-            kv.layout.scratch_offset(kv.slots),
-        )?;
+        let mut storage = backend.alloc_kv(kv.layout.bytes(slots))?;
+        let kept = kv.layout.scratch_offset(kv.slots);
+        backend.copy_kv(&kv.storage, 0, &mut storage, 0, kept)?;
         kv.storage = storage;
         kv.slots = slots;
         Ok(())
@@ -130,12 +194,12 @@ pub fn forward<B: Backend>(
 ) -> Result<()> {
     let rows = input.tokens.len();
     stage(backend, buf, input, loops)?;
-    step_ops(backend, w, buf, rows, loops, Some(cancel))
+    run(backend, w, buf, rows, Span::all(loops), Some(cancel))
 }
 
-/// Validate a step, make room in the KV cache (and move entries that changed age tier), and
-/// stage its tokens, position and tier bounds.
-fn stage<B: Backend>(
+/// Validate a step of up to `loops` iterations, make room in the KV cache (and move entries that
+/// changed age tier), and stage its tokens, position and tier bounds. Then [`run`] its spans.
+pub fn stage<B: Backend>(
     backend: &B,
     buf: &mut Buffers<B>,
     input: StepInput,
@@ -162,24 +226,26 @@ fn stage<B: Backend>(
     backend.set_step(&mut buf.step, input, buf.kv.bounds)
 }
 
-/// The ops of a staged step: embedding, then every block application. With `cancel`, stops
-/// between block applications once it is set.
-fn step_ops<B: Backend>(
+/// The block applications of `span` for the `rows` staged rows (the embedding first when the
+/// span starts). With `cancel`, stops between block applications once it is set.
+pub fn run<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     rows: usize,
-    loops: usize,
+    span: Span,
     cancel: Option<&AtomicBool>,
 ) -> Result<()> {
-    match &w.embed_proj {
-        None => backend.embed(&w.embed, &buf.step, &mut buf.x),
-        Some(proj) => {
-            backend.embed_half(&w.embed, &buf.step, &mut buf.h);
-            backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
+    if span.start {
+        match &w.embed_proj {
+            None => backend.embed(&w.embed, &buf.step, &mut buf.x),
+            Some(proj) => {
+                backend.embed_half(&w.embed, &buf.step, &mut buf.h);
+                backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
+            }
         }
     }
-    for app in schedule(&w.config, loops) {
+    for app in span.applications(&w.config) {
         if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
             return Err(Error::Cancelled);
         }
@@ -189,10 +255,64 @@ fn step_ops<B: Backend>(
     Ok(())
 }
 
-/// One decode step: feed `input` (one token), leave its logits in `buf.logits` row 0 and
-/// choose the next token as `input.choice` says (read it with [`chosen_token`]).
+/// Copy `rows` rows of the residual stream, from row `from`, to row `to_row` of another buffer.
+pub fn save_rows<B: Backend>(
+    backend: &B,
+    buf: &Buffers<B>,
+    from: usize,
+    to: &mut B::Float,
+    to_row: usize,
+    rows: usize,
+) {
+    backend.copy_rows(&buf.x, from, to, to_row, rows, buf.width());
+}
+
+/// Put `rows` saved rows of residual stream back, from row `from` of `saved` to row `to`.
+pub fn restore_rows<B: Backend>(
+    backend: &B,
+    buf: &mut Buffers<B>,
+    saved: &B::Float,
+    from: usize,
+    to: usize,
+    rows: usize,
+) {
+    let width = buf.width();
+    backend.copy_rows(saved, from, &mut buf.x, to, rows, width);
+}
+
+/// What a decode step does after the loop iterations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decode {
+    pub loops: usize,
+    /// Save the residual stream after the last loop iteration into this row of
+    /// [`Buffers::hidden`] (for a verify step that continues from it).
+    pub hidden_row: Option<usize>,
+    /// Run the post blocks and the head and choose the next token (false: stop after saving).
+    pub head: bool,
+}
+
+impl Decode {
+    /// A plain decode step at `loops` iterations.
+    pub fn plain(loops: usize) -> Decode {
+        Decode {
+            loops,
+            hidden_row: None,
+            head: true,
+        }
+    }
+
+    /// Distinct for every distinct sequence of ops (the key of a captured graph).
+    fn key(&self, sample: bool) -> u64 {
+        let row = self.hidden_row.map_or(0, |r| r as u64 + 1);
+        (self.loops as u64) << 8 | row << 2 | (self.head as u64) << 1 | sample as u64
+    }
+}
+
+/// One decode step: feed `input` (one token); with `decode.head`, leave its logits in
+/// `buf.logits` row 0 and choose the next token as `input.choice` says (read it with
+/// [`chosen_token`]).
 ///
-/// After `set_step`, the ops depend only on `loops` and on whether the choice samples (kernels
+/// After `set_step`, the ops depend only on `decode` and on whether the choice samples (kernels
 /// read the token, position and sampling parameters staged in device memory), so a backend with
 /// graphs captures them once per such key and replays.
 pub fn decode_step<B: Backend>(
@@ -200,30 +320,91 @@ pub fn decode_step<B: Backend>(
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     input: StepInput,
-    loops: usize,
+    decode: Decode,
 ) -> Result<()> {
     debug_assert_eq!(input.tokens.len(), 1);
     // Validation, KV reservation, tier moves and staging happen outside any graph.
-    let key = (loops as u64) << 1 | input.choice.is_sample() as u64;
-    stage(backend, buf, input, loops)?;
+    let key = decode.key(input.choice.is_sample());
+    stage(backend, buf, input, decode.loops)?;
     let capturable = buf.kv.layout.mode.graph_capturable();
     if capturable && backend.graph_replay(&mut buf.step, key)? {
         return Ok(());
     }
     let capturing = capturable && backend.graph_begin(&mut buf.step, key)?;
-    step_ops(backend, w, buf, 1, loops, None)?;
-    final_norm(backend, w, buf, 1);
-    logits(backend, w, buf, 0, 1);
-    choose(backend, w, buf);
+    let body = Span {
+        post: false,
+        ..Span::all(decode.loops)
+    };
+    run(backend, w, buf, 1, body, None)?;
+    if let Some(row) = decode.hidden_row {
+        let width = buf.width();
+        backend.copy_rows(&buf.x, 0, &mut buf.hidden, row, 1, width);
+    }
+    if decode.head {
+        run(backend, w, buf, 1, Span::post(), None)?;
+        final_norm(backend, w, buf, 1);
+        logits(backend, w, buf, 0, 1);
+        choose(backend, w, buf);
+    }
     if capturing {
         backend.graph_end(&mut buf.step, key)?;
     }
     Ok(())
 }
 
+/// A verify step of self-speculative decoding: the staged `rows` positions continue from the
+/// residual streams that draft steps saved in [`Buffers::hidden`] after iteration
+/// `draft_loops`, through iterations `draft_loops + 1..=loops` and the post blocks (the KV of
+/// the pre blocks and of iterations up to `draft_loops` is the draft's); logits of every row in
+/// `buf.logits`. Without `reuse`, the rows run through the whole network instead.
+pub fn verify_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    draft_loops: usize,
+    loops: usize,
+    reuse: bool,
+) -> Result<()> {
+    let rows = input.tokens.len();
+    if rows > HIDDEN_ROWS {
+        return Err(Error::invalid(format!(
+            "a verify step of {rows} rows (at most {HIDDEN_ROWS})"
+        )));
+    }
+    stage(backend, buf, input, loops)?;
+    let span = if reuse {
+        let width = buf.width();
+        backend.copy_rows(&buf.hidden, 0, &mut buf.x, 0, rows, width);
+        Span {
+            start: false,
+            first: draft_loops + 1,
+            last: loops,
+            post: true,
+        }
+    } else {
+        Span::all(loops)
+    };
+    run(backend, w, buf, rows, span, None)?;
+    final_norm(backend, w, buf, rows);
+    logits(backend, w, buf, 0, rows);
+    Ok(())
+}
+
 /// Choose the next token from logits row 0 as the last staged step's choice says.
 pub fn choose<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>) {
     backend.choose(&buf.logits, w.config.vocab_size, &mut buf.step);
+}
+
+/// The argmax of each of logits rows `0..rows` (waits for the device).
+pub fn argmax_rows<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    rows: usize,
+) -> Result<Vec<u32>> {
+    backend.argmax_rows(&buf.logits, rows, w.config.vocab_size, &mut buf.step);
+    backend.chosen_tokens(&buf.step, rows)
 }
 
 /// The token chosen by the last [`decode_step`] or [`choose`] (waits for the device).

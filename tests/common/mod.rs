@@ -64,7 +64,7 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
     use tinyloop::backend::{Choice, StepInput};
     use tinyloop::model::forward::{
-        choose, chosen_token, decode_step, final_norm, forward, logits, Buffers,
+        choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode,
     };
     let rows = if chunk == 0 { prompt.len() } else { chunk };
     let mut buf = Buffers::new(backend, &weights.config, rows, layout).unwrap();
@@ -91,7 +91,7 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
             start_pos: pos,
             choice: Choice::Greedy,
         };
-        decode_step(backend, weights, &mut buf, input, loops).unwrap();
+        decode_step(backend, weights, &mut buf, input, Decode::plain(loops)).unwrap();
         out.push(backend.read_float(&buf.logits, 0, vocab).unwrap());
         next = chosen_token(backend, &buf).unwrap();
         tokens.push(next);

@@ -9,7 +9,8 @@ use half::f16;
 
 use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, StepInput};
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
+use crate::generate::sampling;
+use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
 
 pub use kv::read as read_kv_entry;
@@ -30,6 +31,8 @@ pub struct CpuStep {
     start_pos: usize,
     choice: Choice,
     chosen: u32,
+    /// The tokens of the last `argmax_rows`.
+    chosen_rows: Vec<u32>,
 }
 
 /// Allocate a zeroed vector, reporting failure as an error instead of aborting.
@@ -77,16 +80,37 @@ impl Backend for CpuBackend {
             start_pos: 0,
             choice: Choice::Greedy,
             chosen: 0,
+            chosen_rows: Vec::with_capacity(max_rows),
         })
     }
 
-    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<Vec<u8>> {
-        try_zeroed(layout.bytes(slots), "KV cache")
+    fn alloc_kv(&self, bytes: usize) -> Result<Vec<u8>> {
+        try_zeroed(bytes, "KV cache")
     }
 
-    fn copy_kv(&self, from: &Vec<u8>, to: &mut Vec<u8>, bytes: usize) -> Result<()> {
-        to[..bytes].copy_from_slice(&from[..bytes]);
+    fn copy_kv(
+        &self,
+        from: &Vec<u8>,
+        from_offset: usize,
+        to: &mut Vec<u8>,
+        to_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        to[to_offset..to_offset + bytes].copy_from_slice(&from[from_offset..from_offset + bytes]);
         Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        from: &Vec<f32>,
+        from_row: usize,
+        to: &mut Vec<f32>,
+        to_row: usize,
+        rows: usize,
+        width: usize,
+    ) {
+        to[to_row * width..(to_row + rows) * width]
+            .copy_from_slice(&from[from_row * width..(from_row + rows) * width]);
     }
 
     fn linear_bytes(&self, w: &CpuLinear) -> usize {
@@ -214,6 +238,10 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
         Ok(x[offset..offset + len].to_vec())
     }
@@ -229,5 +257,15 @@ impl Backend for CpuBackend {
 
     fn chosen_token(&self, step: &CpuStep) -> Result<u32> {
         Ok(step.chosen)
+    }
+
+    fn argmax_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        step.chosen_rows.clear();
+        step.chosen_rows
+            .extend(logits[..rows * len].chunks_exact(len).map(sampling::argmax));
+    }
+
+    fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
+        Ok(step.chosen_rows[..rows].to_vec())
     }
 }

@@ -10,7 +10,7 @@ use super::linear::CudaLinear;
 use super::step::CudaStep;
 use super::{kernels, CudaBackend, SCRATCH_TICKETS};
 use crate::error::Result;
-use crate::kv::{KvCache, KvLayout, KvMode, KvSlot, TierMove, H_TILE, KV_DESC_WORDS};
+use crate::kv::{KvCache, KvMode, KvSlot, TierMove, H_TILE, KV_DESC_WORDS};
 
 /// Rows up to which decode attention splits positions across blocks (flash-decoding).
 pub(super) const SPLIT_ROWS: usize = 4;
@@ -58,13 +58,9 @@ struct F16Entries {
 }
 
 impl CudaBackend {
-    pub(super) fn new_kv(&self, layout: &KvLayout, slots: usize) -> Result<CudaKv> {
-        let bytes = layout.bytes(slots);
+    pub(super) fn new_kv(&self, bytes: usize) -> Result<CudaKv> {
         let buf = (bytes > 0)
-            .then(|| {
-                self.gpu
-                    .zeroed(bytes, &format!("KV cache ({} mode)", layout.mode))
-            })
+            .then(|| self.gpu.zeroed(bytes, "KV cache"))
             .transpose()?;
         Ok(CudaKv { buf })
     }
@@ -84,19 +80,23 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(super) fn copy_kv_bytes(&self, from: &CudaKv, to: &mut CudaKv, bytes: usize) -> Result<()> {
+    pub(super) fn copy_kv_bytes(
+        &self,
+        from: &CudaKv,
+        from_offset: usize,
+        to: &mut CudaKv,
+        to_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
         assert!(
-            bytes <= from.bytes() && bytes <= to.bytes(),
+            from_offset + bytes <= from.bytes() && to_offset + bytes <= to.bytes(),
             "copy past a KV cache"
         );
-        self.gpu.bind()?;
-        // SAFETY: both ranges lie inside their allocations (asserted); the copy is ordered on our
-        // stream after the work that wrote `from` and before any later use of `to`.
-        unsafe { result::memcpy_dtod_async(to.ptr(), from.ptr(), bytes, self.stream.cu_stream()) }
-            .map_err(|e| device_error("copying the KV cache", e))
+        let (src, dst) = (from.ptr() + from_offset as u64, to.ptr() + to_offset as u64);
+        self.copy_device(src, dst, bytes, "copying the KV cache")
     }
 
     /// [`crate::backend::Backend::kv_store`].

@@ -36,7 +36,7 @@ use half::f16;
 
 use super::{Backend, HostLinear, NormLayer, StepInput};
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, KvLayout, KvSlot, TierBounds, TierMove};
+use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::{ModelConfig, NormKind};
 use crate::model::weights::Weights;
 use attention::{MAX_HEAD_DIM, MAX_SPLITS, SPLIT_ROWS};
@@ -235,17 +235,20 @@ impl CudaBackend {
         ))
     }
 
+    /// Remember a failed launch of `what` (the first since the last check wins).
     pub(super) fn record(
         &self,
         what: &str,
         r: std::result::Result<(), cudarc::driver::DriverError>,
     ) {
         if let Err(e) = r {
-            let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_none() {
-                *slot = Some(format!("{what}: {e}"));
-            }
+            self.remember(format!("{what}: {e}"));
         }
+    }
+
+    fn remember(&self, message: String) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(message);
     }
 
     /// Return (and clear) the first launch failure since the last check.
@@ -279,6 +282,18 @@ impl CudaBackend {
             launch(f, grid, block, smem as u32, stream, args, self.overlap)
         });
         self.record(what, r);
+    }
+
+    /// Copy `bytes` bytes between device addresses, in stream order.
+    fn copy_device(&self, src: u64, dst: u64, bytes: usize, what: &str) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // SAFETY: the callers check that both ranges lie inside live allocations; the copy is
+        // ordered on our stream after the work that wrote `src` and before later uses of `dst`.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| device_error(what, e))
     }
 
     /// Copy host bytes to `offset` of `buf`, in stream order. Through the pinned staging buffers
@@ -378,12 +393,41 @@ impl Backend for CudaBackend {
         self.new_step(max_rows)
     }
 
-    fn alloc_kv(&self, layout: &KvLayout, slots: usize) -> Result<CudaKv> {
-        self.new_kv(layout, slots)
+    fn alloc_kv(&self, bytes: usize) -> Result<CudaKv> {
+        self.new_kv(bytes)
     }
 
-    fn copy_kv(&self, from: &CudaKv, to: &mut CudaKv, bytes: usize) -> Result<()> {
-        self.copy_kv_bytes(from, to, bytes)
+    fn copy_kv(
+        &self,
+        from: &CudaKv,
+        from_offset: usize,
+        to: &mut CudaKv,
+        to_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.copy_kv_bytes(from, from_offset, to, to_offset, bytes)
+    }
+
+    fn copy_rows(
+        &self,
+        from: &DevBuf,
+        from_row: usize,
+        to: &mut DevBuf,
+        to_row: usize,
+        rows: usize,
+        width: usize,
+    ) {
+        let bytes = rows * width * 4;
+        assert!(
+            (from_row * width * 4) + bytes <= from.bytes
+                && (to_row * width * 4) + bytes <= to.bytes,
+            "row copy past a buffer"
+        );
+        let src = from.ptr + (from_row * width * 4) as u64;
+        let dst = to.ptr + (to_row * width * 4) as u64;
+        if let Err(e) = self.copy_device(src, dst, bytes, "copying rows") {
+            self.remember(e.to_string());
+        }
     }
 
     fn linear_bytes(&self, w: &CudaLinear) -> usize {
@@ -545,6 +589,10 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.sync()
+    }
+
     fn read_float(&self, x: &DevBuf, offset: usize, len: usize) -> Result<Vec<f32>> {
         assert!(
             (offset + len) * 4 <= x.bytes,
@@ -601,6 +649,14 @@ impl Backend for CudaBackend {
 
     fn chosen_token(&self, step: &CudaStep) -> Result<u32> {
         self.read_chosen(step)
+    }
+
+    fn argmax_rows(&self, logits: &DevBuf, rows: usize, len: usize, step: &mut CudaStep) {
+        self.choose_rows(logits, rows, len, step)
+    }
+
+    fn chosen_tokens(&self, step: &CudaStep, rows: usize) -> Result<Vec<u32>> {
+        self.read_chosen_rows(step, rows)
     }
 }
 

@@ -14,6 +14,7 @@ use crate::backend::{Choice, StepInput};
 use crate::error::{Error, Result};
 use crate::generate::sampling::inv_temperature;
 use crate::kv::TierBounds;
+use crate::model::forward::LOGIT_ROWS;
 
 /// Step block header in i32 words (cuda/common.cuh `STEP_*`): start position, rows, chosen token,
 /// the sampling parameters and draw, the KV age-tier bounds; the token ids follow.
@@ -43,7 +44,7 @@ impl CudaBackend {
         Ok(CudaStep {
             buf: self
                 .gpu
-                .zeroed((STEP_HEADER + max_rows) * 4, "step inputs")?,
+                .zeroed((STEP_HEADER + max_rows + LOGIT_ROWS) * 4, "step inputs")?,
             max_rows,
             rows: 0,
             start_pos: 0,
@@ -120,6 +121,41 @@ impl CudaBackend {
         .map_err(|e| device_error("copying to the host", e))?;
         self.sync()?;
         Ok(out[0] as u32)
+    }
+
+    /// The argmax of each of `rows` rows of `len` logits into the step's row results (after the
+    /// token ids).
+    pub(super) fn choose_rows(
+        &self,
+        logits: &DevBuf,
+        rows: usize,
+        len: usize,
+        step: &mut CudaStep,
+    ) {
+        assert!(
+            rows <= LOGIT_ROWS,
+            "argmax of more rows than the logits buffer holds"
+        );
+        let results = step.buf.ptr + ((STEP_HEADER + step.max_rows) * 4) as u64;
+        for r in 0..rows {
+            self.argmax_into(
+                logits.ptr + (r * len * 4) as u64,
+                len,
+                results + (r * 4) as u64,
+            );
+        }
+    }
+
+    /// The tokens of the last `choose_rows` (waits for the device).
+    pub(super) fn read_chosen_rows(&self, step: &CudaStep, rows: usize) -> Result<Vec<u32>> {
+        let mut out = vec![0i32; rows];
+        self.gpu.bind()?;
+        let results = step.buf.ptr + ((STEP_HEADER + step.max_rows) * 4) as u64;
+        // SAFETY: reads `rows` <= LOGIT_ROWS i32 results of the step block into `out`.
+        unsafe { result::memcpy_dtoh_async(&mut out, results, self.stream.cu_stream()) }
+            .map_err(|e| device_error("copying to the host", e))?;
+        self.sync()?;
+        Ok(out.into_iter().map(|t| t as u32).collect())
     }
 
     /// Enqueue the argmax of `len` values at `x` into the i32 at device address `result`.

@@ -1,0 +1,101 @@
+//! What a model, its sessions and its handles share: the engine (backend and weights on one
+//! device), the options and KV layout, the memory counter; and the per-device session state.
+
+use std::sync::atomic::AtomicUsize;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
+use crate::kv::KvLayout;
+use crate::model::config::ModelConfig;
+use crate::model::forward::Buffers;
+use crate::model::weights::Weights;
+use crate::{ModelInfo, ModelOptions};
+
+pub(crate) struct Loaded<B: Backend> {
+    pub backend: B,
+    pub weights: Weights<B>,
+}
+
+pub(crate) enum Engine {
+    Cpu(Loaded<CpuBackend>),
+    Cuda(Loaded<CudaBackend>),
+}
+
+pub(crate) enum SessionState {
+    Cpu(Buffers<CpuBackend>),
+    Cuda(CudaSession),
+}
+
+/// A CUDA session: its buffers and its own backend instance (stream, attention scratch) over the
+/// model's shared weights. Buffers drop first, then the stream.
+pub(crate) struct CudaSession {
+    pub buffers: Buffers<CudaBackend>,
+    pub backend: CudaBackend,
+}
+
+/// What a model and all its sessions and handles share.
+pub(crate) struct Shared {
+    pub engine: Engine,
+    pub options: ModelOptions,
+    /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
+    pub kv_layout: KvLayout,
+    pub info: ModelInfo,
+    /// Bytes held by live sessions (buffers and KV caches) and handles (prefix caches, resume
+    /// handles).
+    pub session_bytes: AtomicUsize,
+}
+
+impl Shared {
+    pub fn config(&self) -> &ModelConfig {
+        match &self.engine {
+            Engine::Cpu(l) => &l.weights.config,
+            Engine::Cuda(l) => &l.weights.config,
+        }
+    }
+}
+
+/// Run `$body` with the backend, weights and buffers of a session, whatever the device.
+macro_rules! with_backend {
+    ($session:expr, |$backend:ident, $weights:ident, $buffers:ident| $body:expr) => {
+        match (&$session.shared.engine, &mut $session.state) {
+            (Engine::Cpu(loaded), SessionState::Cpu($buffers)) => {
+                let ($backend, $weights) = (&loaded.backend, &loaded.weights);
+                $body
+            }
+            (Engine::Cuda(loaded), SessionState::Cuda(session)) => {
+                let ($backend, $weights, $buffers) =
+                    (&session.backend, &loaded.weights, &mut session.buffers);
+                $body
+            }
+            _ => unreachable!("a session always matches its model's device"),
+        }
+    };
+}
+
+/// Run `$body` with the backend, weights and buffers of a session and the matching part of a
+/// handle (`$held`: a [`crate::handle`] value's per-device contents), whatever the device.
+macro_rules! with_handle {
+    ($session:expr, $held:expr, |$backend:ident, $weights:ident, $buffers:ident, $inner:ident| $body:expr) => {
+        match (&$session.shared.engine, &mut $session.state, $held) {
+            (Engine::Cpu(loaded), SessionState::Cpu($buffers), PerDevice::Cpu($inner)) => {
+                let ($backend, $weights) = (&loaded.backend, &loaded.weights);
+                $body
+            }
+            (Engine::Cuda(loaded), SessionState::Cuda(session), PerDevice::Cuda($inner)) => {
+                let ($backend, $weights, $buffers) =
+                    (&session.backend, &loaded.weights, &mut session.buffers);
+                $body
+            }
+            _ => unreachable!("a handle always matches its model's device"),
+        }
+    };
+}
+
+pub(crate) use {with_backend, with_handle};
+
+/// A value for the device a model runs on.
+pub(crate) enum PerDevice<C, G> {
+    Cpu(C),
+    Cuda(G),
+}

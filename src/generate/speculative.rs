@@ -1,0 +1,328 @@
+//! Self-speculative decoding: the model drafts tokens at fewer loop iterations and verifies them
+//! in one multi-row step at more.
+//!
+//! A round starts from the last token `t` at position `pos`. Draft steps feed `t, d1, …` at
+//! `draft_loops` and choose `d1 … dk`; each saves its residual stream after iteration
+//! `draft_loops`. Since the state after iteration i never depends on the total loop count, the
+//! draft has already computed, exactly, the pre blocks and iterations `1..=draft_loops` of the
+//! verify pass for those positions (their KV slots are keyed by iteration): the verify step
+//! continues from the saved residual streams through the remaining iterations and the post blocks
+//! for the `k + 1` rows `t, d1 … dk` at once. Rows whose draft is rejected are simply overwritten
+//! by the next round (nothing reads past the current position).
+//!
+//! Acceptance: greedily, drafts are accepted while they equal the verify pass's argmax, then the
+//! verify pass's token follows (a correction, or a bonus token after k acceptances), so the
+//! output is the plain greedy output at `verify_loops`. When sampling, draft token d (drawn from
+//! the draft distribution q) is accepted with probability min(1, p(d) / q(d)) under the verify
+//! distribution p, else the token is drawn from max(0, p − q) normalized, and a full acceptance
+//! draws a bonus from p: the standard rule, whose output is distributed as plain sampling at
+//! `verify_loops` (p and q are the exact distributions of the sampler, `sampling::distribution`).
+//!
+//! Without `reuse` (the reference page's `generate_speculative_no_cache`) the verify step runs
+//! the rows through the whole network instead, and draft steps save nothing.
+
+use std::sync::atomic::AtomicBool;
+
+use super::sampling::{self, Rng};
+use super::{decode, first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
+use crate::backend::{Backend, Choice, StepInput};
+use crate::error::{Error, Result};
+use crate::model::forward::{
+    argmax_rows, chosen_token, decode_step, verify_step, Buffers, Decode, HIDDEN_ROWS,
+};
+use crate::model::weights::Weights;
+
+/// The most tokens one round drafts: the verify step's rows (`draft_len + 1`) fit the logits
+/// and hidden-state buffers.
+pub const MAX_DRAFT_LEN: usize = HIDDEN_ROWS - 1;
+
+/// How a speculative call drafts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    /// Loop iterations of the draft steps (below the request's `loops`, which verify).
+    pub draft_loops: usize,
+    /// Tokens drafted per round, 1..=MAX_DRAFT_LEN.
+    pub draft_len: usize,
+    /// Verify from the draft's saved state (true), or recompute every block application.
+    pub reuse: bool,
+}
+
+impl Speculation {
+    pub fn validate(&self, verify_loops: usize) -> Result<()> {
+        if self.draft_loops == 0 || self.draft_loops >= verify_loops {
+            return Err(Error::invalid(format!(
+                "draft_loops must be in 1..{verify_loops} (below verify_loops {verify_loops}), \
+                 got {}",
+                self.draft_loops
+            )));
+        }
+        if self.draft_len == 0 || self.draft_len > MAX_DRAFT_LEN {
+            return Err(Error::invalid(format!(
+                "draft_len must be in 1..={MAX_DRAFT_LEN}, got {}",
+                self.draft_len
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Generate as [`super::generate`] does at `req.loops`, drafting at `spec.draft_loops`.
+#[allow(clippy::too_many_arguments)]
+pub fn generate<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    prompt: &[u32],
+    req: &GenerateRequest,
+    spec: &Speculation,
+    cancel: &AtomicBool,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    spec.validate(req.loops)?;
+    let mut rng = Rng::new(req.sampling.seed);
+    let mut out = Output::new(req, cancel, on_token);
+    let choice = next_choice(&req.sampling, &mut rng);
+    let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
+    let mut next = first_token(backend, w, buf, last)?;
+    let mut pos = prompt.len();
+    let capacity = buf.kv.layout.capacity;
+    while out.push(next)? {
+        // A round needs positions pos..=pos + k, and produces up to k + 1 tokens.
+        let k = spec
+            .draft_len
+            .min(out.remaining() - 1)
+            .min(capacity.saturating_sub(pos + 1));
+        if k == 0 {
+            // Too close to an end for a draft: one plain step finishes the call.
+            return decode_rest(backend, w, buf, out, next, pos, &mut rng);
+        }
+        let round = round(backend, w, buf, req, spec, next, pos, k, &mut rng)?;
+        let stats = &mut out.stats;
+        stats.drafted += k;
+        stats.accepted += round.accepted;
+        stats.agreed += round.agreed;
+        let (&last, accepted) = round.tokens.split_last().expect("a round yields a token");
+        for &t in accepted {
+            if !out.push(t)? {
+                return Ok(out.finish());
+            }
+        }
+        next = last;
+        pos += round.tokens.len();
+    }
+    Ok(out.finish())
+}
+
+/// The rest of a call after `next` was decided at `pos`, without drafting.
+fn decode_rest<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    mut out: Output,
+    next: u32,
+    pos: usize,
+    rng: &mut Rng,
+) -> Result<(Vec<u32>, GenerateStats)> {
+    // `next` was taken already: feed it, and continue from its successor.
+    let input = StepInput {
+        tokens: &[next],
+        start_pos: pos,
+        choice: next_choice(&out.req.sampling, rng),
+    };
+    decode_step(backend, w, buf, input, Decode::plain(out.req.loops))?;
+    let following = chosen_token(backend, buf)?;
+    decode(backend, w, buf, &mut out, following, pos + 1, rng)?;
+    Ok(out.finish())
+}
+
+/// What one round decided: the accepted drafts followed by the verify pass's token.
+struct Round {
+    tokens: Vec<u32>,
+    accepted: usize,
+    agreed: usize,
+}
+
+/// Draft `k` tokens after `t` (at `pos`) and verify them.
+#[allow(clippy::too_many_arguments)]
+fn round<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    req: &GenerateRequest,
+    spec: &Speculation,
+    t: u32,
+    pos: usize,
+    k: usize,
+    rng: &mut Rng,
+) -> Result<Round> {
+    let vocab = w.config.vocab_size;
+    let sampling = req.sampling;
+    let mut inputs = vec![t];
+    // Sampling keeps the draft's logits of every drafted position (the distribution q).
+    let mut draft_logits = Vec::new();
+    for j in 0..k {
+        let input = StepInput {
+            tokens: &inputs[j..=j],
+            start_pos: pos + j,
+            choice: next_choice(&sampling, rng),
+        };
+        let decode = Decode {
+            loops: spec.draft_loops,
+            hidden_row: spec.reuse.then_some(j),
+            head: true,
+        };
+        decode_step(backend, w, buf, input, decode)?;
+        if !sampling.is_greedy() {
+            draft_logits.push(backend.read_float(&buf.logits, 0, vocab)?);
+        }
+        inputs.push(chosen_token(backend, buf)?);
+    }
+    if spec.reuse {
+        // The last draft's state after draft_loops iterations: the verify step's last row.
+        let input = StepInput {
+            tokens: &inputs[k..=k],
+            start_pos: pos + k,
+            choice: Choice::Greedy,
+        };
+        let decode = Decode {
+            loops: spec.draft_loops,
+            hidden_row: Some(k),
+            head: false,
+        };
+        decode_step(backend, w, buf, input, decode)?;
+    }
+    let verify = StepInput {
+        tokens: &inputs,
+        start_pos: pos,
+        choice: Choice::Greedy,
+    };
+    verify_step(
+        backend,
+        w,
+        buf,
+        verify,
+        spec.draft_loops,
+        req.loops,
+        spec.reuse,
+    )?;
+    let drafts = &inputs[1..];
+    if sampling.is_greedy() {
+        let verified = argmax_rows(backend, w, buf, k + 1)?;
+        let accepted = drafts
+            .iter()
+            .zip(&verified)
+            .take_while(|(d, v)| d == v)
+            .count();
+        let agreed = drafts.iter().zip(&verified).filter(|(d, v)| d == v).count();
+        let mut tokens = drafts[..accepted].to_vec();
+        tokens.push(verified[accepted]);
+        return Ok(Round {
+            tokens,
+            accepted,
+            agreed,
+        });
+    }
+    let rows = backend.read_float(&buf.logits, 0, (k + 1) * vocab)?;
+    let verified: Vec<&[f32]> = rows.chunks_exact(vocab).collect();
+    let agreed = draft_logits
+        .iter()
+        .zip(&verified)
+        .filter(|(q, p)| sampling::argmax(q) == sampling::argmax(p))
+        .count();
+    let mut tokens = Vec::with_capacity(k + 1);
+    for (j, &d) in drafts.iter().enumerate() {
+        let p = sampling::distribution(verified[j], &sampling);
+        let q = sampling::distribution(&draft_logits[j], &sampling);
+        let (pd, qd) = (p[d as usize], q[d as usize]);
+        if qd > 0.0 && rng.next_f64() * qd < pd {
+            tokens.push(d);
+            continue;
+        }
+        let residual: Vec<f64> = p.iter().zip(&q).map(|(a, b)| (a - b).max(0.0)).collect();
+        tokens.push(draw(&residual, rng));
+        return Ok(Round {
+            accepted: j,
+            agreed,
+            tokens,
+        });
+    }
+    tokens.push(draw(&sampling::distribution(verified[k], &sampling), rng));
+    Ok(Round {
+        accepted: k,
+        agreed,
+        tokens,
+    })
+}
+
+/// A token drawn from unnormalized non-negative `weights` (the argmax when they sum to 0).
+fn draw(weights: &[f64], rng: &mut Rng) -> u32 {
+    let total: f64 = weights.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        let best = weights
+            .iter()
+            .enumerate()
+            .fold(0, |b, (i, &w)| if w > weights[b] { i } else { b });
+        return best as u32;
+    }
+    let r = rng.next_f64() * total;
+    let mut acc = 0.0;
+    for (i, &w) in weights.iter().enumerate() {
+        acc += w;
+        if acc > r {
+            return i as u32;
+        }
+    }
+    // Rounding left r at the very top: the last token with weight.
+    weights.iter().rposition(|&w| w > 0.0).unwrap_or(0) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The accept/resample rule, run many times on fixed p and q, gives p.
+    #[test]
+    fn speculative_sampling_gives_the_verify_distribution() {
+        let p = [0.5, 0.2, 0.2, 0.1, 0.0];
+        let q = [0.1, 0.4, 0.1, 0.1, 0.3];
+        let mut rng = Rng::new(7);
+        let n = 400_000;
+        let mut counts = [0usize; 5];
+        for _ in 0..n {
+            let d = draw(&q, &mut rng) as usize;
+            let token = if rng.next_f64() * q[d] < p[d] {
+                d
+            } else {
+                let residual: Vec<f64> = p.iter().zip(&q).map(|(a, b)| (a - b).max(0.0)).collect();
+                draw(&residual, &mut rng) as usize
+            };
+            counts[token] += 1;
+        }
+        // Each frequency is within 5 standard errors sqrt(p (1 - p) / n) of p.
+        for (i, &c) in counts.iter().enumerate() {
+            let f = c as f64 / n as f64;
+            let se = (p[i] * (1.0 - p[i]) / n as f64).sqrt();
+            assert!(
+                (f - p[i]).abs() <= 5.0 * se + 1e-12,
+                "token {i}: {f} vs {}",
+                p[i]
+            );
+        }
+    }
+
+    #[test]
+    fn bad_speculation_parameters_are_named() {
+        let spec = |draft_loops, draft_len| Speculation {
+            draft_loops,
+            draft_len,
+            reuse: true,
+        };
+        assert!(spec(2, 4).validate(8).is_ok());
+        let err = spec(8, 4).validate(8).unwrap_err().to_string();
+        assert!(err.contains("draft_loops"), "{err}");
+        assert!(spec(0, 4).validate(8).is_err());
+        let err = spec(2, 0).validate(8).unwrap_err().to_string();
+        assert!(err.contains("draft_len must be in 1..=15"), "{err}");
+        assert!(spec(2, MAX_DRAFT_LEN + 1).validate(8).is_err());
+    }
+}
