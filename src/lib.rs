@@ -12,6 +12,7 @@
 //! `Clone`; clones share the weights). A [`Session`] holds the runtime buffers and KV cache of one
 //! sequence; it is used by one thread at a time, and many sessions share one model's weights.
 
+mod alloc;
 pub mod backend;
 pub mod convert;
 mod device;
@@ -190,6 +191,8 @@ impl Model {
             (file, choice)
         });
         let (file, choice) = (file?, choice?);
+        file.config
+            .check_session(options.max_seq_len, options.max_loops)?;
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {

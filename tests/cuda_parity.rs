@@ -403,7 +403,7 @@ fn attention_on<B: Probe>(
     steps: &[(usize, usize)],
     qkv: &[Vec<f32>],
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let rope_values = rope_table(capacity, heads.head_dim, 10000.0);
+    let rope_values = rope_table(capacity, heads.head_dim, 10000.0).unwrap();
     let rope = float_buf(b, &rope_values);
     let mut kv = b.alloc_kv(3, capacity, heads.kv_dim()).unwrap();
     let max_rows = steps.iter().map(|s| s.1).max().unwrap();

@@ -73,7 +73,20 @@ fn row_logits<B: Backend>(
 ) -> Result<Vec<f32>> {
     final_norm(backend, w, buf, rows);
     logits(backend, w, buf, row, 1);
-    backend.read_float(&buf.logits, 0, w.config.vocab_size)
+    finite(backend.read_float(&buf.logits, 0, w.config.vocab_size)?)
+}
+
+/// Logits as returned to a caller, who must never receive NaN or infinity: finite weights can
+/// still overflow the f16 intermediates (docs/FORMAT.md "Numerics"), and that is an error.
+fn finite(logits: Vec<f32>) -> Result<Vec<f32>> {
+    match logits.iter().position(|v| !v.is_finite()) {
+        None => Ok(logits),
+        Some(i) => Err(Error::Format(format!(
+            "the model's arithmetic overflowed: a logit is {} (weights too large for f16 \
+             activations)",
+            logits[i]
+        ))),
+    }
 }
 
 /// Generate up to `req.max_tokens` tokens after `prompt`, calling `on_token` for each; generation
@@ -145,7 +158,7 @@ pub fn score<B: Backend>(
     for first in (0..n).step_by(LOGIT_ROWS) {
         let rows = LOGIT_ROWS.min(n - first);
         logits(backend, w, buf, first, rows);
-        out.extend(backend.read_float(&buf.logits, 0, rows * vocab)?);
+        out.extend(finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?);
     }
     Ok(out)
 }

@@ -7,7 +7,7 @@
 use half::f16;
 
 use crate::error::{Error, Result};
-use crate::format::DType;
+use crate::format::{check_group_size, DType};
 
 /// A matrix in one of the stored linear-weight encodings.
 #[derive(Clone, Debug, PartialEq)]
@@ -92,24 +92,25 @@ pub fn f16_to_bytes(values: &[f16]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Check that `cols` can be quantized at `dtype` with `group_size` (0 means one group per row).
+/// The group size for quantizing `cols` columns at `dtype` when `group_size` is asked for (0 means
+/// one group per row; a size above `cols` is clamped to it), checked against the rule every backend
+/// supports ([`check_group_size`]).
 pub fn resolve_group_size(dtype: DType, cols: usize, group_size: usize) -> Result<usize> {
+    resolve(dtype, cols, group_size).map_err(Error::invalid)
+}
+
+/// [`resolve_group_size`] for the weight `name`, naming it in the error.
+pub fn group_size_for(name: &str, dtype: DType, cols: usize, group_size: usize) -> Result<usize> {
+    resolve(dtype, cols, group_size).map_err(|why| Error::invalid(format!("tensor {name}: {why}")))
+}
+
+fn resolve(dtype: DType, cols: usize, group_size: usize) -> Result<usize, String> {
     let g = if group_size == 0 {
         cols
     } else {
         group_size.min(cols)
     };
-    let per_byte = 8 / dtype.bits() as usize;
-    if !cols.is_multiple_of(g) {
-        return Err(Error::invalid(format!(
-            "group size {g} does not divide {cols} columns"
-        )));
-    }
-    if !cols.is_multiple_of(per_byte) {
-        return Err(Error::invalid(format!(
-            "{cols} columns cannot be packed {per_byte} codes per byte"
-        )));
-    }
+    check_group_size(dtype, cols as u64, g as u64)?;
     Ok(g)
 }
 

@@ -49,6 +49,8 @@ impl<B: Backend> Weights<B> {
     /// Upload every tensor of `file`; the RoPE table covers `positions` positions.
     pub fn load(backend: &B, file: &ModelFile, positions: usize) -> Result<Weights<B>> {
         let config = file.config.clone();
+        // Sized by the caller's max_seq_len: the allocation most likely to fail goes first.
+        let table = rope_table(positions, config.head_dim(), config.rope_theta)?;
         let mut bytes = 0usize;
         let mut linear = |name: &str| -> Result<B::Linear> {
             let w = backend.upload_linear(&host_linear(file, name)?)?;
@@ -81,7 +83,6 @@ impl<B: Backend> Weights<B> {
             (HeadKind::Tied, _) => Head::TiedFactorized(linear_transposed(backend, file)?),
         };
         let final_norm = load_norm(backend, file, "final_norm")?;
-        let table = rope_table(positions, config.head_dim(), config.rope_theta);
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
         bytes += table.len() * 4 + 2 * config.dim * 2 * (block_weights.len() + 1);
@@ -130,7 +131,7 @@ fn linear_transposed<B: Backend>(backend: &B, file: &ModelFile) -> Result<B::Lin
     let proj = host_linear(file, "embed_proj")?;
     let (d, r) = (proj.rows, proj.cols);
     let mut row = vec![0f32; r];
-    let mut transposed = vec![half::f16::ZERO; r * d];
+    let mut transposed = crate::alloc::zeroed(r * d, "the transposed embed_proj")?;
     let quantized = proj.dtype.is_quantized().then(|| proj.to_quantized());
     let values = (proj.dtype == DType::F16).then(|| f16_from_bytes(proj.bytes));
     for i in 0..d {
