@@ -1,10 +1,13 @@
 //! The `tinyloop` command line: `tinyloop MODEL COMMAND ...` or `tinyloop synth ...`.
 
+use std::ffi::{OsStr, OsString};
+use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Args, Parser, Subcommand};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use serde_json::json;
 use tinyloop::model::synth;
 use tinyloop::{Device, Error, GenerateParams, Model, ModelOptions, Result, SamplingParams};
@@ -14,7 +17,12 @@ use tinyloop::{Device, Error, GenerateParams, Model, ModelOptions, Result, Sampl
     name = "tinyloop",
     version,
     about = "Run looped transformers stored as .tinyloop files",
-    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH"
+    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       \
+                      tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
+                      tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
+                      tinyloop help [COMMAND]",
+    after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, score, \
+                  bench, synth, convert)."
 )]
 struct ModelCli {
     /// Path to a .tinyloop file.
@@ -63,7 +71,7 @@ struct GenerateArgs {
     common: CommonArgs,
     /// Prompt text (byte-level models only).
     #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
-    prompt: Option<String>,
+    prompt: Option<OsString>,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
@@ -105,7 +113,7 @@ struct ScoreArgs {
     common: CommonArgs,
     /// Text to score (byte-level models only).
     #[arg(long, group = "input")]
-    text: Option<String>,
+    text: Option<OsString>,
     /// File whose bytes are scored (byte-level models only).
     #[arg(long, group = "input")]
     file: Option<PathBuf>,
@@ -209,12 +217,13 @@ struct ConvertArgs {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let is_tool = matches!(args.get(1).map(String::as_str), Some("synth" | "convert"));
-    let result = if is_tool {
-        run_tool(ToolCli::parse_from(&args))
-    } else {
-        run_model(ModelCli::parse_from(&args))
+    // args_os: a non-UTF-8 argument is an error for the argument that has it, never a panic.
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let command = args.get(1).and_then(|a| a.to_str());
+    let result = match command {
+        Some("help") => help(args.get(2).map(OsString::as_os_str)),
+        Some("synth" | "convert") => parse::<ToolCli>(&args).and_then(run_tool),
+        _ => parse::<ModelCli>(&args).and_then(run_model),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -223,6 +232,102 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Parse the command line. `--help` and `--version` print and exit 0; every argument error is an
+/// [`Error`], reported on one line like any other.
+fn parse<T: Parser>(args: &[OsString]) -> Result<T> {
+    let matches = with_negative_values(T::command()).try_get_matches_from(args);
+    match matches.and_then(|m| T::from_arg_matches(&m)) {
+        Ok(cli) => Ok(cli),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            print!("{e}");
+            std::process::exit(0)
+        }
+        // No arguments at all: the help, as a reminder of how to call.
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            eprint!("{e}");
+            std::process::exit(1)
+        }
+        Err(e) => Err(Error::InvalidArgument(argument_error(&e, args))),
+    }
+}
+
+/// Let every option that takes a value accept a negative number, so that `--max-tokens -5` is
+/// reported as a value out of range rather than as an unknown option `-5`.
+fn with_negative_values(command: clap::Command) -> clap::Command {
+    command
+        .mut_args(|arg| {
+            if arg.get_action().takes_values() {
+                arg.allow_negative_numbers(true)
+            } else {
+                arg
+            }
+        })
+        .mut_subcommands(with_negative_values)
+}
+
+/// One line for a clap error: a negative count or a non-UTF-8 value says so; otherwise clap's
+/// message without the usage block.
+fn argument_error(e: &clap::Error, args: &[OsString]) -> String {
+    if e.kind() == ErrorKind::InvalidUtf8 {
+        let at = args.iter().position(|a| a.to_str().is_none()).unwrap_or(0);
+        return match args[..at].last().and_then(|a| a.to_str()) {
+            Some(flag) if flag.starts_with('-') => {
+                format!("the value of {flag} is not valid UTF-8")
+            }
+            _ => format!("argument {at} is not valid UTF-8"),
+        };
+    }
+    if e.kind() == ErrorKind::ValueValidation {
+        if let (Some(ContextValue::String(arg)), Some(ContextValue::String(value))) = (
+            e.get(ContextKind::InvalidArg),
+            e.get(ContextKind::InvalidValue),
+        ) {
+            let negative = value
+                .strip_prefix('-')
+                .is_some_and(|v| v.parse::<f64>().is_ok());
+            if negative {
+                // `arg` reads "--name <NAME>"; the flag is enough.
+                let flag = arg.split(' ').next().unwrap_or(arg);
+                return format!("{flag} must be ≥ 0, got {value}");
+            }
+        }
+    }
+    let text = e.render().to_string();
+    let message = text
+        .split("\nUsage:")
+        .next()
+        .unwrap_or_default()
+        .split("For more information")
+        .next()
+        .unwrap_or_default();
+    let line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    let line = line.strip_prefix("error: ").unwrap_or(&line);
+    format!("{line} (see --help)")
+}
+
+/// `tinyloop help [COMMAND]`.
+fn help(command: Option<&OsStr>) -> Result<()> {
+    let name = match command.map(|c| c.to_str()) {
+        None => return print_help(ModelCli::command()),
+        Some(Some(name)) => name,
+        Some(None) => return Err(Error::InvalidArgument("unknown command (not UTF-8)".into())),
+    };
+    let model_command = ModelCli::command().find_subcommand(name).cloned();
+    let tool_command = ToolCli::command().find_subcommand(name).cloned();
+    match (model_command, tool_command) {
+        (Some(c), _) => print_help(c.bin_name(format!("tinyloop MODEL {name}"))),
+        (None, Some(c)) => print_help(c.bin_name(format!("tinyloop {name}"))),
+        (None, None) => Err(Error::InvalidArgument(format!(
+            "unknown command {name:?} (expected info, generate, score, bench, synth or convert)"
+        ))),
+    }
+}
+
+fn print_help(mut command: clap::Command) -> Result<()> {
+    print!("{}", command.render_long_help());
+    Ok(())
 }
 
 fn run_tool(cli: ToolCli) -> Result<()> {
@@ -259,15 +364,17 @@ fn convert(args: ConvertArgs) -> Result<()> {
     };
     let calibration = match &args.calib {
         Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| Error::Io {
+            let io = |e| Error::Io {
                 path: path.clone(),
                 source: e,
-            })?;
-            bytes
-                .iter()
-                .take(args.calib_bytes)
-                .map(|&b| b as u32)
-                .collect()
+            };
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .map_err(io)?
+                .take(args.calib_bytes as u64)
+                .read_to_end(&mut bytes)
+                .map_err(io)?;
+            bytes.into_iter().map(u32::from).collect()
         }
         None => Vec::new(),
     };
@@ -289,7 +396,7 @@ fn convert(args: ConvertArgs) -> Result<()> {
         calibration_loops: args.calib_loops,
         window: args.window,
         metadata,
-        progress: true,
+        progress: std::io::stderr().is_terminal(),
     };
     tinyloop::convert::convert(&opts)?;
     eprintln!("wrote {}", args.out.display());
@@ -328,11 +435,24 @@ fn text_tokens(model: &Model, text: &[u8], flag: &str) -> Result<Vec<u32>> {
     Ok(text.iter().map(|&b| b as u32).collect())
 }
 
+fn utf8<'a>(text: &'a OsStr, flag: &str) -> Result<&'a str> {
+    text.to_str().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{flag} is not valid UTF-8 (pass the bytes as --tokens, or score a --file)"
+        ))
+    })
+}
+
 fn parse_tokens(ids: &[i64]) -> Result<Vec<u32>> {
     ids.iter()
         .map(|&t| {
             u32::try_from(t).map_err(|_| {
-                Error::InvalidArgument(format!("token id {t} is negative or too large"))
+                let why = if t < 0 {
+                    "is negative (must be ≥ 0)"
+                } else {
+                    "is too large"
+                };
+                Error::InvalidArgument(format!("token id {t} {why}"))
             })
         })
         .collect()
@@ -384,7 +504,7 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
 fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     let model = open(path, &args.common)?;
     let prompt = match (&args.prompt, &args.tokens) {
-        (Some(text), _) => text_tokens(&model, text.as_bytes(), "--prompt")?,
+        (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
         (None, Some(ids)) => parse_tokens(ids)?,
         (None, None) => unreachable!("clap requires --prompt or --tokens"),
     };
@@ -402,7 +522,6 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         println!("{}", json!({"tokens": tokens, "text": text}));
         return Ok(());
     }
-    use std::io::Write;
     let mut stdout = std::io::stdout().lock();
     if byte_level {
         stdout.write_all(&decode_bytes(&prompt).into_bytes()).ok();
@@ -442,7 +561,7 @@ fn decode_bytes(tokens: &[u32]) -> String {
 fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     let model = open(path, &args.common)?;
     let tokens = match (&args.text, &args.file, &args.tokens) {
-        (Some(text), _, _) => text_tokens(&model, text.as_bytes(), "--text")?,
+        (Some(text), _, _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
         (_, Some(file), _) => {
             let bytes = std::fs::read(file).map_err(|e| Error::Io {
                 path: file.clone(),
@@ -463,7 +582,10 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     }
     let mut session = model.new_session()?;
     let (mut nll, mut count) = (0f64, 0usize);
-    for window in tokens.chunks(args.window) {
+    let windows = tokens.chunks(args.window);
+    let progress = Progress::new(&args.common, "score", windows.len());
+    for (i, window) in windows.enumerate() {
+        progress.show(i);
         if window.len() < 2 {
             continue;
         }
@@ -471,6 +593,7 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
         count += logprobs.len();
     }
+    progress.finish();
     if count == 0 {
         return Err(Error::InvalidArgument(
             "need at least 2 tokens to score".into(),
@@ -492,6 +615,39 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     Ok(())
 }
 
+/// A progress line on stderr, only when stderr is a terminal and the output is neither `--json`
+/// nor `-q`.
+struct Progress {
+    enabled: bool,
+    label: &'static str,
+    total: usize,
+}
+
+impl Progress {
+    fn new(common: &CommonArgs, label: &'static str, total: usize) -> Progress {
+        Progress {
+            enabled: !common.quiet && !common.json && std::io::stderr().is_terminal(),
+            label,
+            total,
+        }
+    }
+
+    /// `done` of `total` steps are finished.
+    fn show(&self, done: usize) {
+        if self.enabled {
+            eprint!("\r[{}] {done}/{} ", self.label, self.total);
+            std::io::stderr().flush().ok();
+        }
+    }
+
+    /// Erase the line.
+    fn finish(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -504,7 +660,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         ));
     }
     let common = CommonArgs {
-        max_seq_len: args.common.max_seq_len.max(args.prompt_len + args.gen_len),
+        max_seq_len: (args.common.max_seq_len).max(args.prompt_len.saturating_add(args.gen_len)),
         ..args.common
     };
     let start = Instant::now();
@@ -534,13 +690,18 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         let decode = (stamps[stamps.len() - 1] - stamps[0]) / (stamps.len() - 1) as f64;
         Ok((stamps[0], decode))
     };
-    run(&mut session)?; // warm-up: caches, lazily sized buffers
+    // Runs: one warm-up (caches, lazily sized buffers), the timed repeats, one reopening.
+    let progress = Progress::new(&common, "bench", args.repeats + 2);
+    progress.show(0);
+    run(&mut session)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for _ in 0..args.repeats {
+    for i in 0..args.repeats {
+        progress.show(1 + i);
         let (first, per_token) = run(&mut session)?;
         prefill.push(first);
         decode.push(per_token);
     }
+    progress.show(1 + args.repeats);
     let prefill_ms = median(prefill);
     let decode_ms = median(decode);
     // Opening again in the same process: the driver, context and kernels are loaded already, as
@@ -552,6 +713,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     };
     drop(open(path, &quiet)?);
     let reload_ms = start.elapsed().as_secs_f64() * 1e3;
+    progress.finish();
     let loops = common.loops.unwrap_or(model.config().default_loops);
     let report = json!({
         "device": model.info().device,
