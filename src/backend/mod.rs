@@ -32,7 +32,7 @@ pub struct HostLinear<'a> {
 }
 
 impl HostLinear<'_> {
-    pub fn to_quantized(&self) -> QuantizedMatrix {
+    pub fn to_quantized(&self) -> Result<QuantizedMatrix> {
         QuantizedMatrix::from_bytes(
             self.dtype,
             self.rows,

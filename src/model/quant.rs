@@ -6,6 +6,7 @@
 
 use half::f16;
 
+use crate::alloc;
 use crate::error::{Error, Result};
 use crate::format::{check_group_size, DType};
 
@@ -40,27 +41,35 @@ impl QuantizedMatrix {
         out
     }
 
-    /// Parse the serialized layout. The caller has already checked the length against the shape.
+    /// Parse the serialized layout. The caller has already checked the length against the shape;
+    /// the copies are as large as the tensor, so their allocation may fail.
     pub fn from_bytes(
         dtype: DType,
         rows: usize,
         cols: usize,
         group_size: usize,
         bytes: &[u8],
-    ) -> QuantizedMatrix {
+    ) -> Result<QuantizedMatrix> {
         let code_len = rows * cols * dtype.bits() as usize / 8;
         let n_params = rows * (cols / group_size);
         let (codes, params) = bytes.split_at(code_len);
         let (scales, zeros) = params.split_at(n_params * 2);
-        QuantizedMatrix {
+        let mut code_copy = alloc::with_capacity(codes.len(), "quantized codes")?;
+        code_copy.extend_from_slice(codes);
+        let params = |bytes: &[u8], what: &str| -> Result<Vec<f16>> {
+            let mut values = alloc::with_capacity(bytes.len() / 2, what)?;
+            values.extend(f16_values(bytes));
+            Ok(values)
+        };
+        Ok(QuantizedMatrix {
             dtype,
             rows,
             cols,
             group_size,
-            codes: codes.to_vec(),
-            scales: f16_from_bytes(scales),
-            zeros: f16_from_bytes(zeros),
-        }
+            codes: code_copy,
+            scales: params(scales, "quantization scales")?,
+            zeros: params(zeros, "quantization zeros")?,
+        })
     }
 
     /// Code of element (row, col).
@@ -82,10 +91,14 @@ impl QuantizedMatrix {
 }
 
 pub fn f16_from_bytes(bytes: &[u8]) -> Vec<f16> {
+    f16_values(bytes).collect()
+}
+
+/// The little-endian f16 values of `bytes`.
+pub fn f16_values(bytes: &[u8]) -> impl Iterator<Item = f16> + '_ {
     bytes
         .chunks_exact(2)
         .map(|b| f16::from_le_bytes([b[0], b[1]]))
-        .collect()
 }
 
 pub fn f16_to_bytes(values: &[f16]) -> Vec<u8> {
