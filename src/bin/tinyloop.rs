@@ -432,7 +432,16 @@ fn text_tokens(model: &Model, text: &[u8], flag: &str) -> Result<Vec<u32>> {
             "{flag} needs a byte-level model (vocab_size 256); pass --tokens instead"
         )));
     }
-    Ok(text.iter().map(|&b| b as u32).collect())
+    // A --file can be as large as the disk: four bytes per byte may not fit in memory.
+    let mut tokens = Vec::new();
+    tokens
+        .try_reserve_exact(text.len())
+        .map_err(|_| Error::OutOfMemory {
+            bytes: text.len().saturating_mul(4),
+            what: format!("the tokens of {flag}"),
+        })?;
+    tokens.extend(text.iter().map(|&b| u32::from(b)));
+    Ok(tokens)
 }
 
 fn utf8<'a>(text: &'a OsStr, flag: &str) -> Result<&'a str> {
