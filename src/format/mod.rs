@@ -164,15 +164,21 @@ pub fn check_group_size(dtype: DType, cols: u64, group_size: u64) -> Result<(), 
 
 /// Index of the first value of little-endian f16 data that is NaN or infinite.
 pub fn first_non_finite_f16(bytes: &[u8]) -> Option<usize> {
-    // All exponent bits set (bits 10..15 of the value, bits 2..7 of the high byte) is NaN or ±Inf.
+    // NaN and ±Inf have every exponent bit set: bits 10..14 of the value, 2..6 of its high byte.
     let bad = |pair: &[u8]| pair[1] & 0x7c == 0x7c;
-    // Scan in blocks with a branch-free reduction (vectorizes); locate the value only on a hit.
+    // Four values per u64: adding 0x0400 to a value's exponent bits carries into its top bit
+    // exactly when they are all set. Blocks are scanned without branches (this vectorizes);
+    // a block with a hit is then searched value by value.
+    const EXPONENTS: u64 = 0x7c00_7c00_7c00_7c00;
+    const CARRY: u64 = 0x0400_0400_0400_0400;
+    const TOP: u64 = 0x8000_8000_8000_8000;
     const BLOCK: usize = 4096;
     bytes.chunks(BLOCK).enumerate().find_map(|(b, block)| {
-        let hit = block
-            .chunks_exact(2)
-            .fold(false, |acc, pair| acc | bad(pair));
-        if !hit {
+        let (words, tail) = block.as_chunks::<8>();
+        let carries = words.iter().fold(0, |acc, w| {
+            acc | ((u64::from_le_bytes(*w) & EXPONENTS) + CARRY)
+        });
+        if carries & TOP == 0 && !tail.chunks_exact(2).any(bad) {
             return None;
         }
         let i = block.chunks_exact(2).position(bad)?;
@@ -183,4 +189,42 @@ pub fn first_non_finite_f16(bytes: &[u8]) -> Option<usize> {
 /// Round `n` up to the next multiple of [`ALIGNMENT`].
 pub fn align_up(n: u64) -> u64 {
     n.div_ceil(ALIGNMENT) * ALIGNMENT
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::first_non_finite_f16;
+
+    #[test]
+    fn finds_the_first_nan_or_infinity_anywhere() {
+        let specials = [f16::NAN, f16::INFINITY, f16::NEG_INFINITY];
+        let finite = [
+            f16::MAX,
+            f16::MIN,
+            f16::MIN_POSITIVE_SUBNORMAL,
+            f16::ZERO,
+            f16::NEG_ZERO,
+        ];
+        // Lengths around the u64 words and the 4096-byte blocks, a special value at each place.
+        for len in [1, 3, 4, 5, 2047, 2048, 2049, 5000] {
+            let clean: Vec<u8> = (0..len)
+                .flat_map(|i| finite[i % finite.len()].to_le_bytes())
+                .collect();
+            assert_eq!(first_non_finite_f16(&clean), None, "len {len}");
+            for at in [0, len / 2, len - 1] {
+                for (k, special) in specials.iter().enumerate() {
+                    let mut bytes = clean.clone();
+                    bytes[2 * at..2 * at + 2].copy_from_slice(&special.to_le_bytes());
+                    if at + 1 < len {
+                        // A later one must not hide the first.
+                        let later = specials[(k + 1) % specials.len()];
+                        bytes[2 * len - 2..].copy_from_slice(&later.to_le_bytes());
+                    }
+                    assert_eq!(first_non_finite_f16(&bytes), Some(at), "len {len} at {at}");
+                }
+            }
+        }
+    }
 }
