@@ -12,6 +12,7 @@
 //! `Clone`; clones share the weights). A [`Session`] holds the runtime buffers and KV cache of one
 //! sequence; it is used by one thread at a time, and many sessions share one model's weights.
 
+mod alloc;
 pub mod backend;
 pub mod convert;
 mod device;
@@ -157,6 +158,8 @@ impl Model {
             (file, choice)
         });
         let (file, choice) = (file?, choice?);
+        file.config
+            .check_session(options.max_seq_len, options.max_loops)?;
         let kv_mode = match options.kv_mode {
             Some(mode) => mode,
             None => KvMode::from_env()?,

@@ -216,3 +216,255 @@ fn bad_input_exits_with_one_clear_line() {
         assert_eq!(error_lines, 1, "{args:?}: {stderr}");
     }
 }
+
+/// Run the CLI with raw (possibly non-UTF-8) arguments.
+fn tinyloop_os(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tinyloop"))
+        .args(args)
+        .env("TINYLOOP_DEVICE", "cpu")
+        .output()
+        .unwrap()
+}
+
+/// Exit status 1, exactly one line on stderr, which starts with `error:` and contains `expected`.
+fn assert_one_line_error(out: &Output, what: &str, expected: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{what}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{what} panicked: {stderr}");
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.starts_with("[tinyloop]"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{what}: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{what}: {stderr}");
+    assert!(
+        lines[0].contains(expected),
+        "{what}: {stderr:?} lacks {expected:?}"
+    );
+}
+
+#[test]
+fn non_utf8_arguments_are_errors_not_panics() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let m = model();
+    let m = OsStr::new(&m);
+    let bad = OsStr::from_bytes(b"caf\xe9");
+    let (generate, score) = (OsStr::new("generate"), OsStr::new("score"));
+    let cases: [(Vec<&OsStr>, &str); 4] = [
+        (
+            vec![m, generate, OsStr::new("--prompt"), bad],
+            "--prompt is not valid UTF-8",
+        ),
+        (
+            vec![m, score, OsStr::new("--text"), bad],
+            "--text is not valid UTF-8",
+        ),
+        (
+            vec![
+                OsStr::from_bytes(b"/tmp/caf\xe9.tinyloop"),
+                OsStr::new("info"),
+            ],
+            "cannot read /tmp/caf",
+        ),
+        (
+            vec![
+                OsStr::new("synth"),
+                OsStr::new("--preset"),
+                bad,
+                OsStr::new("--out"),
+                OsStr::new("/tmp/x"),
+            ],
+            "the value of --preset is not valid UTF-8",
+        ),
+    ];
+    for (args, expected) in cases {
+        assert_one_line_error(&tinyloop_os(&args), &format!("{args:?}"), expected);
+    }
+}
+
+#[test]
+fn argument_errors_exit_1_with_one_line() {
+    let m = model();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![&m, "generate", "--prompt", "x", "--bogus"],
+            "unexpected argument '--bogus'",
+        ),
+        (vec![&m, "generate"], "--prompt"),
+        (vec![&m, "frobnicate"], "unexpected argument 'frobnicate'"),
+        (
+            vec![&m, "generate", "--prompt", "x", "--max-tokens", "1.5"],
+            "'1.5'",
+        ),
+        (vec![&m, "generate", "--tokens", "1,x"], "'x'"),
+        (vec!["synth", "--out", "/tmp/x"], "--preset"),
+        (vec!["help", "frobnicate"], "unknown command \"frobnicate\""),
+    ];
+    for (args, expected) in cases {
+        assert_one_line_error(&tinyloop(&args), &format!("{args:?}"), expected);
+    }
+}
+
+#[test]
+fn negative_counts_say_they_must_be_non_negative() {
+    let m = model();
+    let cases: Vec<Vec<&str>> = vec![
+        vec![&m, "generate", "--prompt", "x", "--max-tokens", "-5"],
+        vec![&m, "generate", "--prompt", "x", "--loops", "-1"],
+        vec![&m, "generate", "--prompt", "x", "--seed", "-3"],
+        vec![&m, "score", "--text", "xyz", "--window", "-2"],
+        vec![&m, "bench", "--repeats", "-1"],
+        vec![
+            "synth",
+            "--preset",
+            "tiny",
+            "--group-size",
+            "-32",
+            "--out",
+            "/tmp/x",
+        ],
+    ];
+    for args in cases {
+        let flag = args[args.len() - 2];
+        let flag = if flag == "--out" {
+            "--group-size"
+        } else {
+            flag
+        };
+        let expected = format!("{flag} must be ≥ 0");
+        assert_one_line_error(&tinyloop(&args), &format!("{args:?}"), &expected);
+    }
+    // Token ids are values of a list, checked by the command itself.
+    assert_one_line_error(
+        &tinyloop(&[&m, "generate", "--tokens", "5,-4"]),
+        "negative token",
+        "token id -4 is negative (must be ≥ 0)",
+    );
+}
+
+#[test]
+fn model_path_problems_are_named() {
+    let dir = common::scratch("cli-dir");
+    assert_one_line_error(
+        &tinyloop(&[dir.to_str().unwrap(), "info"]),
+        "directory",
+        "is a directory",
+    );
+    assert_one_line_error(
+        &tinyloop(&[
+            &model(),
+            "generate",
+            "--prompt",
+            "x",
+            "--max-seq-len",
+            "67108864",
+        ]),
+        "max_seq_len",
+        "max_seq_len 67108864 exceeds the model's max_position 2048",
+    );
+    assert_one_line_error(
+        &tinyloop(&[
+            "synth",
+            "--preset",
+            "tiny",
+            "--group-size",
+            "1",
+            "--out",
+            "/tmp/x",
+        ]),
+        "group size",
+        "tensor pre.0.attn_qkv: group_size 1 is not a positive multiple of 2",
+    );
+}
+
+#[test]
+fn help_works_for_every_command() {
+    for (command, usage) in [
+        ("convert", "Usage: tinyloop convert"),
+        ("synth", "Usage: tinyloop synth"),
+        ("generate", "Usage: tinyloop MODEL generate"),
+        ("score", "Usage: tinyloop MODEL score"),
+        ("bench", "Usage: tinyloop MODEL bench"),
+        ("info", "Usage: tinyloop MODEL info"),
+    ] {
+        let out = stdout(&tinyloop(&["help", command]));
+        assert!(out.contains(usage), "help {command}: {out}");
+    }
+    for command in ["convert", "synth"] {
+        let out = stdout(&tinyloop(&[command, "--help"]));
+        assert!(out.contains(&format!("Usage: tinyloop {command}")), "{out}");
+    }
+    let out = stdout(&tinyloop(&[&model(), "generate", "--help"]));
+    assert!(out.contains("--prompt"), "{out}");
+    let out = stdout(&tinyloop(&["help"]));
+    assert!(out.contains("tinyloop convert --safetensors"), "{out}");
+}
+
+/// Stderr of the CLI run with a pseudo-terminal as stderr (stdout stays a pipe).
+fn stderr_on_a_terminal(args: &[&str]) -> String {
+    use std::io::Read;
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain POSIX pseudo-terminal calls; every descriptor is owned by one File.
+    let (mut master, slave) = unsafe {
+        let master = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY);
+        assert!(master >= 0, "posix_openpt");
+        assert_eq!(libc::grantpt(master), 0);
+        assert_eq!(libc::unlockpt(master), 0);
+        let mut name = [0 as libc::c_char; 128];
+        assert_eq!(libc::ptsname_r(master, name.as_mut_ptr(), name.len()), 0);
+        let slave = libc::open(name.as_ptr(), libc::O_RDWR | libc::O_NOCTTY);
+        assert!(slave >= 0, "open the terminal");
+        (
+            std::fs::File::from_raw_fd(master),
+            std::fs::File::from_raw_fd(slave),
+        )
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_tinyloop"))
+        .args(args)
+        .env("TINYLOOP_DEVICE", "cpu")
+        .stdout(std::process::Stdio::piped())
+        .stderr(slave)
+        .spawn()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{args:?}");
+    let mut text = Vec::new();
+    // Reading a terminal whose other side is closed ends with EIO, not EOF.
+    let mut buf = [0u8; 4096];
+    while let Ok(n @ 1..) = master.read(&mut buf) {
+        text.extend(&buf[..n]);
+    }
+    String::from_utf8_lossy(&text).into_owned()
+}
+
+#[test]
+fn score_and_bench_show_progress_on_a_terminal_only() {
+    let m = model();
+    let text = "To be, or not to be, that is the question.";
+    let score = [&m, "score", "--text", text, "--window", "8"];
+    let progress = stderr_on_a_terminal(&score);
+    assert!(progress.contains("[score] 5/6"), "{progress:?}");
+    let bench = [
+        &m,
+        "bench",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "2",
+        "--repeats",
+        "2",
+    ];
+    let progress = stderr_on_a_terminal(&bench);
+    assert!(progress.contains("[bench] 3/4"), "{progress:?}");
+    for quiet in ["--json", "-q"] {
+        for args in [&score[..], &bench[..]] {
+            let args: Vec<&str> = args.iter().copied().chain([quiet]).collect();
+            let stderr = stderr_on_a_terminal(&args);
+            assert!(!stderr.contains('['), "{args:?}: {stderr:?}");
+        }
+    }
+    // Not a terminal: no progress either.
+    let out = tinyloop(&score);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("[score]"));
+}

@@ -472,7 +472,7 @@ fn kv_ops_on<B: Probe>(
     inputs: &KvInputs,
     w_qkv: &HostLinear,
 ) -> (Vec<Vec<f32>>, Vec<u8>) {
-    let rope = float_buf(b, &rope_table(capacity, heads.head_dim, 10000.0));
+    let rope = float_buf(b, &rope_table(capacity, heads.head_dim, 10000.0).unwrap());
     let w = b.upload_linear(w_qkv).unwrap();
     let mut kv = kv_cache(b, mode, heads, capacity);
     let its = [1, 2].map(|i| {
@@ -1328,4 +1328,182 @@ fn device_selection_falls_back_or_fails_cleanly() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The looped-model calls
+
+/// Whether greedy runs `a` and `b` agree, or part where the CPU reference's best two logits are
+/// within `2 · bound · ‖logits‖` of each other (a near tie that logits differing by `bound`
+/// relative may flip). Returns a description; records a failure otherwise.
+#[allow(clippy::too_many_arguments)]
+fn same_or_near_tie(
+    what: &str,
+    a: &[u32],
+    b: &[u32],
+    prompt: &[u32],
+    reference: &mut tinyloop::Session,
+    loops: usize,
+    bound: f64,
+    failures: &mut Vec<String>,
+) -> String {
+    let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) else {
+        if a.len() != b.len() {
+            failures.push(format!("{what}: {} vs {} tokens", a.len(), b.len()));
+        }
+        return "identical".into();
+    };
+    let mut seq = prompt.to_vec();
+    seq.extend(&a[..i]);
+    let l = reference.score_last(&seq, Some(loops)).unwrap();
+    let norm = l.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+    let margin = (l[a[i] as usize] - l[b[i] as usize]).abs() as f64;
+    if margin > 2.0 * bound * norm {
+        failures.push(format!(
+            "{what}: tokens differ at {i} with margin {margin:.3e} > {:.3e}",
+            2.0 * bound * norm
+        ));
+    }
+    format!("differ at {i} after a near tie (margin {margin:.2e})")
+}
+
+/// Logit lens, trajectory, speculative decoding, prefix caches and resume handles on the GPU.
+///
+/// * Lens rows against the CPU within `model_tol` of their depth; on the GPU itself, row L is
+///   bit-identical to `score_last` at L and the rows at L′ are the first rows at L (the same
+///   kernels on the same rows).
+/// * Speculative greedy output against the GPU's plain greedy output: the verify step computes
+///   k + 1 rows with the multi-row kernels where plain decoding computes one row with the fused
+///   GEMV, so logits differ by up to twice the GPU–CPU bound; tokens may part only at a near tie
+///   of that size (`same_or_near_tie`).
+/// * Prefix cache (prompt of 6 rows) and resume handle: bit-identical to a fresh generation. Steps
+///   of more than 4 rows take the tensor-core GEMM and unsplit attention, whose per-row results do
+///   not depend on the rows beside them, and a resume handle runs the same kernels on the same
+///   rows as the fresh prefill.
+#[test]
+fn cuda_looped_calls_match() {
+    if !cuda_or_skip("cuda_looped_calls_match") {
+        return;
+    }
+    let mut failures = Vec::new();
+    for name in ["tiny", "tiny-gqa"] {
+        let path = synth(name, 4, 64);
+        let cpu = open(&path, Device::Cpu, 256);
+        let gpu = open(&path, Device::Cuda(0), 256);
+        let config = cpu.config().clone();
+        let vocab = config.vocab_size;
+        let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
+        let tokens = prompt(19, vocab, 31);
+
+        let (c, g) = (
+            cs.score_logit_lens(&tokens, Some(6)).unwrap(),
+            gs.score_logit_lens(&tokens, Some(6)).unwrap(),
+        );
+        let mut worst = 0f64;
+        for l in 1..=6 {
+            let row = |v: &[f32]| v[(l - 1) * vocab..l * vocab].to_vec();
+            let e = rel(&row(&g), &row(&c));
+            worst = worst.max(e);
+            let tol = model_tol(config.applications(l));
+            if e > tol {
+                failures.push(format!("{name} lens row {l}: {e:.3e} > {tol:.3e}"));
+            }
+            if row(&g) != gs.score_last(&tokens, Some(l)).unwrap() {
+                failures.push(format!("{name}: GPU lens row {l} != GPU score_last at {l}"));
+            }
+        }
+        if gs.score_logit_lens(&tokens, Some(3)).unwrap()[..] != g[..3 * vocab] {
+            failures.push(format!(
+                "{name}: GPU lens rows at 3 are not the first rows at 6"
+            ));
+        }
+        let (ct, gt) = (
+            cs.score_trajectory(&tokens, Some(6)).unwrap(),
+            gs.score_trajectory(&tokens, Some(6)).unwrap(),
+        );
+        let same_argmax = ct
+            .iter()
+            .zip(&gt)
+            .filter(|(a, b)| a.argmax == b.argmax)
+            .count();
+        report(&format!(
+            "looped {name:9}: lens rows rel {worst:.2e} (tol L=6 {:.2e}); trajectory argmax equal \
+             at {same_argmax}/6 iterations",
+            model_tol(config.applications(6))
+        ));
+
+        let loops = 6;
+        let params = GenerateParams {
+            max_tokens: 48,
+            loops: Some(loops),
+            ..GenerateParams::default()
+        };
+        let plain = gs.generate(&tokens, &params).unwrap();
+        let bound = 2.0 * model_tol(config.applications(loops));
+        for (draft_loops, draft_len) in [(1, 4), (2, 8), (3, 2)] {
+            for reuse in [true, false] {
+                let spec = tinyloop::Speculation {
+                    draft_loops,
+                    draft_len,
+                    reuse,
+                };
+                let out = gs
+                    .generate_speculative(&tokens, &params, &spec, &mut |_| true)
+                    .unwrap();
+                let stats = gs.last_generate_stats();
+                let what = format!("{name} speculative {draft_loops}/{draft_len} reuse {reuse}");
+                let verdict = same_or_near_tie(
+                    &what,
+                    &plain,
+                    &out,
+                    &tokens,
+                    &mut cs,
+                    loops,
+                    bound,
+                    &mut failures,
+                );
+                report(&format!(
+                    "looped {what}: {verdict}; accepted {}/{} drafts, agreement {:.2}",
+                    stats.accepted,
+                    stats.drafted,
+                    stats.agreement()
+                ));
+            }
+        }
+
+        let prefix = prompt(23, vocab, 5);
+        let rest = prompt(6, vocab, 6);
+        let mut whole = prefix.clone();
+        whole.extend(&rest);
+        let fresh = gs.generate(&whole, &params).unwrap();
+        let cache = gs.build_prefix_cache(&prefix, Some(loops)).unwrap();
+        let mut other = gpu.new_session().unwrap();
+        let cached = other
+            .generate_with_prefix(&cache, &rest, &params, &mut |_| true)
+            .unwrap();
+        if cached != fresh {
+            failures.push(format!(
+                "{name}: prefix cache output differs from the whole text's"
+            ));
+        }
+        let handle = gs.build_resume_handle(&tokens, Some(4)).unwrap();
+        for l2 in [2, 4, 6] {
+            let p = GenerateParams {
+                loops: Some(l2),
+                ..params.clone()
+            };
+            let fresh = gs.generate(&tokens, &p).unwrap();
+            let resumed = other.resume_generate(&handle, &p, &mut |_| true).unwrap();
+            if resumed != fresh {
+                failures.push(format!(
+                    "{name}: resume from 4 at {l2} differs from a fresh run"
+                ));
+            }
+        }
+        report(&format!(
+            "looped {name:9}: prefix cache and resume (from 4 at 2, 4, 6) bit-identical: {}",
+            failures.is_empty()
+        ));
+    }
+    finish("cuda_looped_calls_match", failures);
 }

@@ -222,3 +222,114 @@ fn missing_file_is_an_io_error_naming_the_path() {
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
     assert!(err.to_string().contains("/nonexistent/model.tinyloop"));
 }
+
+#[test]
+fn a_directory_is_an_io_error_saying_so() {
+    let dir = common::scratch("format-dir");
+    let err = ModelFile::open(&dir).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    assert!(err.to_string().contains("is a directory"), "{err}");
+}
+
+#[test]
+fn bytes_in_memory_are_validated_like_a_file() {
+    let bytes = valid_bytes();
+    let file = ModelFile::from_bytes(bytes.clone()).unwrap();
+    assert_eq!(file.config, preset("tiny-gqa").unwrap());
+    let mut corrupt = bytes;
+    corrupt[0] = b'X';
+    let err = ModelFile::from_bytes(corrupt).unwrap_err();
+    assert!(err.to_string().contains("bad magic"), "{err}");
+}
+
+#[test]
+fn group_size_on_an_unquantized_tensor() {
+    let bytes = with_header(&valid_bytes(), |h| {
+        tensor(h, "final_norm")["group_size"] = 32.into();
+    });
+    assert_rejected(
+        &bytes,
+        "f16-group",
+        "tensor final_norm: group_size 32 given for an unquantized f16 tensor",
+    );
+}
+
+#[test]
+fn group_size_that_does_not_divide_the_columns() {
+    // pre.0.attn_out is [64, 64]; 48 is a whole number of bytes but does not divide 64.
+    let bytes = with_header(&valid_bytes(), |h| {
+        tensor(h, "pre.0.attn_out")["group_size"] = 48.into();
+    });
+    assert_rejected(
+        &bytes,
+        "group-divide",
+        "tensor pre.0.attn_out: group_size 48 does not divide 64 columns",
+    );
+}
+
+/// Every config limit is accepted at its value and rejected one above (docs/FORMAT.md "Limits").
+#[test]
+fn config_limits_are_inclusive() {
+    use tinyloop::model::config::limits::*;
+    let base = preset("tiny").unwrap();
+    let at_limit = [
+        ("dim", MAX_DIM),
+        ("ffn_dim", MAX_FFN_DIM),
+        ("vocab_size", MAX_VOCAB),
+        ("embed_factor_dim", MAX_DIM),
+        ("n_pre_blocks", MAX_BLOCKS),
+        ("n_loop_blocks", MAX_BLOCKS),
+        ("n_post_blocks", MAX_BLOCKS),
+        ("default_loops", MAX_DEFAULT_LOOPS),
+        ("max_position", MAX_POSITION),
+        ("n_heads", MAX_HEADS),
+    ];
+    for (key, limit) in at_limit {
+        let with = |value: usize| {
+            let mut config = serde_json::to_value(&base).unwrap();
+            config[key] = value.into();
+            if key == "n_heads" {
+                // Heads must divide dim into even head dims and be divisible by the KV heads.
+                config["dim"] = (2 * value).into();
+                config["n_kv_heads"] = 1.into();
+            }
+            serde_json::from_value::<tinyloop::ModelConfig>(config).unwrap()
+        };
+        with(limit).validate().unwrap();
+        let err = with(limit + 1).validate().unwrap_err();
+        let expected = format!("{key} {} exceeds the limit {limit}", limit + 1);
+        assert!(err.to_string().contains(&expected), "{err}");
+    }
+}
+
+/// The smallest group sizes the format allows (one byte of codes: 2 for int4, 4 for int2) run
+/// correctly: logits against the f64 reference, with the tolerance of tests/forward.rs (2e-3
+/// relative L2 error; see there for why).
+#[test]
+fn smallest_group_sizes_match_the_reference() {
+    use common::reference::Reference;
+    let config = preset("tiny-gqa").unwrap();
+    for (bits, group) in [(4, 2), (2, 4)] {
+        let path = common::scratch("format").join(format!("group-{bits}-{group}.tinyloop"));
+        random_model(&config, 3, bits, group)
+            .unwrap()
+            .write(&path)
+            .unwrap();
+        let reference = Reference::load(&std::fs::read(&path).unwrap());
+        let model = common::open_cpu(&path);
+        let input = common::tokens(7, config.vocab_size, 1);
+        let actual = model.new_session().unwrap().score(&input, Some(2)).unwrap();
+        let expected: Vec<f64> = reference.logits(&input, 2).into_iter().flatten().collect();
+        let diff: f64 = actual
+            .iter()
+            .zip(&expected)
+            .map(|(&a, &b)| (a as f64 - b).powi(2))
+            .sum();
+        let norm: f64 = expected.iter().map(|b| b * b).sum();
+        let err = (diff / norm).sqrt();
+        assert!(
+            err < 2e-3,
+            "int{bits} group {group}: relative error {err:.2e}"
+        );
+    }
+}

@@ -203,7 +203,7 @@ fn age_moves_entries_at_both_boundaries() {
         n_kv_heads: config.n_kv_heads,
         head_dim: config.head_dim(),
     };
-    let rope = tinyloop::backend::rope_table(capacity, heads.head_dim, config.rope_theta);
+    let rope = tinyloop::backend::rope_table(capacity, heads.head_dim, config.rope_theta).unwrap();
     let apps = [
         Application {
             stage: Stage::Pre,

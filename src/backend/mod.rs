@@ -34,7 +34,7 @@ pub struct HostLinear<'a> {
 }
 
 impl HostLinear<'_> {
-    pub fn to_quantized(&self) -> QuantizedMatrix {
+    pub fn to_quantized(&self) -> Result<QuantizedMatrix> {
         QuantizedMatrix::from_bytes(
             self.dtype,
             self.rows,
@@ -351,16 +351,23 @@ impl AttentionShape {
 
 /// RoPE table `[positions, head_dim / 2, 2]` of (cos, sin), computed in f64 and rounded to f32,
 /// with frequency `theta^(-2i / head_dim)` for pair i. Pairs rotate (x[i], x[i + head_dim/2]).
-pub fn rope_table(positions: usize, head_dim: usize, theta: f64) -> Vec<f32> {
+/// The size comes from the caller's `max_seq_len`, so allocation failure is an error.
+pub fn rope_table(positions: usize, head_dim: usize, theta: f64) -> Result<Vec<f32>> {
     let half = head_dim / 2;
-    let mut table = Vec::with_capacity(positions * half * 2);
+    let what = format!("the RoPE table ({positions} positions x {half} pairs)");
+    let len = positions
+        .checked_mul(2 * half)
+        .ok_or_else(|| crate::error::Error::invalid(format!("{what} exceeds the address space")))?;
+    let mut table = crate::alloc::with_capacity(len, &what)?;
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+        .collect();
     for pos in 0..positions {
-        for i in 0..half {
-            let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+        for &freq in &freqs {
             let angle = pos as f64 * freq;
             table.push(angle.cos() as f32);
             table.push(angle.sin() as f32);
         }
     }
-    table
+    Ok(table)
 }

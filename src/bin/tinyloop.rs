@@ -1,14 +1,18 @@
 //! The `tinyloop` command line: `tinyloop MODEL COMMAND ...` or `tinyloop synth ...`.
 
+use std::ffi::{OsStr, OsString};
+use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Args, Parser, Subcommand};
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use serde_json::json;
 use tinyloop::model::synth;
 use tinyloop::{
-    Device, Error, GenerateParams, KvMode, Model, ModelOptions, Result, SamplingParams,
+    Device, Error, GenerateParams, GenerateStats, KvMode, Model, ModelOptions, Result,
+    SamplingParams, Speculation,
 };
 
 #[derive(Parser)]
@@ -16,7 +20,12 @@ use tinyloop::{
     name = "tinyloop",
     version,
     about = "Run looped transformers stored as .tinyloop files",
-    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH"
+    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       \
+                      tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
+                      tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
+                      tinyloop help [COMMAND]",
+    after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, score, \
+                  bench, synth, convert)."
 )]
 struct ModelCli {
     /// Path to a .tinyloop file.
@@ -38,6 +47,10 @@ enum ModelCommand {
     Score(ScoreArgs),
     /// Measure load time, prefill throughput and decode latency.
     Bench(BenchArgs),
+    /// The logit lens: the next-token distribution read out after each loop iteration.
+    Lens(LensArgs),
+    /// How the last position moves through the loop iterations (norm, change, KL, entropy).
+    Trajectory(LensArgs),
 }
 
 #[derive(Args, Clone)]
@@ -73,7 +86,7 @@ struct GenerateArgs {
     common: CommonArgs,
     /// Prompt text (byte-level models only).
     #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
-    prompt: Option<String>,
+    prompt: Option<OsString>,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
@@ -81,6 +94,48 @@ struct GenerateArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
+}
+
+/// Self-speculative decoding: draft at fewer loop iterations, verify at `--loops`.
+#[derive(Args)]
+struct SpeculationArgs {
+    /// Draft tokens at this many loop iterations (below --loops) and verify them in one step.
+    #[arg(long, value_name = "D")]
+    draft_loops: Option<usize>,
+    /// Tokens drafted per verify step.
+    #[arg(long, value_name = "K", default_value_t = 4)]
+    draft_len: usize,
+    /// Verify by recomputing every block application (the baseline) instead of continuing from
+    /// the draft's KV and hidden state.
+    #[arg(long)]
+    no_draft_reuse: bool,
+}
+
+impl SpeculationArgs {
+    fn speculation(&self) -> Option<Speculation> {
+        self.draft_loops.map(|draft_loops| Speculation {
+            draft_loops,
+            draft_len: self.draft_len,
+            reuse: !self.no_draft_reuse,
+        })
+    }
+}
+
+#[derive(Args)]
+struct LensArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Text (byte-level models only).
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    text: Option<OsString>,
+    /// Token ids, comma-separated.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    tokens: Option<Vec<i64>>,
+    /// Most likely tokens shown per iteration (`lens`, without --json).
+    #[arg(long, default_value_t = 5)]
+    top: usize,
 }
 
 /// How tokens are chosen (docs/ABI.md "Sampling").
@@ -115,7 +170,7 @@ struct ScoreArgs {
     common: CommonArgs,
     /// Text to score (byte-level models only).
     #[arg(long, group = "input")]
-    text: Option<String>,
+    text: Option<OsString>,
     /// File whose bytes are scored (byte-level models only).
     #[arg(long, group = "input")]
     file: Option<PathBuf>,
@@ -148,6 +203,14 @@ struct BenchArgs {
     repeats: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
+    /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
+    #[arg(long, value_name = "N", conflicts_with = "resume_from")]
+    prefix_cache: Option<usize>,
+    /// Run the prompt once at L loops into a resume handle and time resuming it at --loops.
+    #[arg(long, value_name = "L", conflicts_with = "draft_loops")]
+    resume_from: Option<usize>,
 }
 
 #[derive(Parser)]
@@ -230,15 +293,13 @@ struct ConvertArgs {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let is_tool = matches!(
-        args.get(1).map(String::as_str),
-        Some("synth" | "convert" | "kernels")
-    );
-    let result = if is_tool {
-        run_tool(ToolCli::parse_from(&args))
-    } else {
-        run_model(ModelCli::parse_from(&args))
+    // args_os: a non-UTF-8 argument is an error for the argument that has it, never a panic.
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let command = args.get(1).and_then(|a| a.to_str());
+    let result = match command {
+        Some("help") => help(args.get(2).map(OsString::as_os_str)),
+        Some("synth" | "convert" | "kernels") => parse::<ToolCli>(&args).and_then(run_tool),
+        _ => parse::<ModelCli>(&args).and_then(run_model),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -247,6 +308,102 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Parse the command line. `--help` and `--version` print and exit 0; every argument error is an
+/// [`Error`], reported on one line like any other.
+fn parse<T: Parser>(args: &[OsString]) -> Result<T> {
+    let matches = with_negative_values(T::command()).try_get_matches_from(args);
+    match matches.and_then(|m| T::from_arg_matches(&m)) {
+        Ok(cli) => Ok(cli),
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            print!("{e}");
+            std::process::exit(0)
+        }
+        // No arguments at all: the help, as a reminder of how to call.
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            eprint!("{e}");
+            std::process::exit(1)
+        }
+        Err(e) => Err(Error::InvalidArgument(argument_error(&e, args))),
+    }
+}
+
+/// Let every option that takes a value accept a negative number, so that `--max-tokens -5` is
+/// reported as a value out of range rather than as an unknown option `-5`.
+fn with_negative_values(command: clap::Command) -> clap::Command {
+    command
+        .mut_args(|arg| {
+            if arg.get_action().takes_values() {
+                arg.allow_negative_numbers(true)
+            } else {
+                arg
+            }
+        })
+        .mut_subcommands(with_negative_values)
+}
+
+/// One line for a clap error: a negative count or a non-UTF-8 value says so; otherwise clap's
+/// message without the usage block.
+fn argument_error(e: &clap::Error, args: &[OsString]) -> String {
+    if e.kind() == ErrorKind::InvalidUtf8 {
+        let at = args.iter().position(|a| a.to_str().is_none()).unwrap_or(0);
+        return match args[..at].last().and_then(|a| a.to_str()) {
+            Some(flag) if flag.starts_with('-') => {
+                format!("the value of {flag} is not valid UTF-8")
+            }
+            _ => format!("argument {at} is not valid UTF-8"),
+        };
+    }
+    if e.kind() == ErrorKind::ValueValidation {
+        if let (Some(ContextValue::String(arg)), Some(ContextValue::String(value))) = (
+            e.get(ContextKind::InvalidArg),
+            e.get(ContextKind::InvalidValue),
+        ) {
+            let negative = value
+                .strip_prefix('-')
+                .is_some_and(|v| v.parse::<f64>().is_ok());
+            if negative {
+                // `arg` reads "--name <NAME>"; the flag is enough.
+                let flag = arg.split(' ').next().unwrap_or(arg);
+                return format!("{flag} must be ≥ 0, got {value}");
+            }
+        }
+    }
+    let text = e.render().to_string();
+    let message = text
+        .split("\nUsage:")
+        .next()
+        .unwrap_or_default()
+        .split("For more information")
+        .next()
+        .unwrap_or_default();
+    let line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    let line = line.strip_prefix("error: ").unwrap_or(&line);
+    format!("{line} (see --help)")
+}
+
+/// `tinyloop help [COMMAND]`.
+fn help(command: Option<&OsStr>) -> Result<()> {
+    let name = match command.map(|c| c.to_str()) {
+        None => return print_help(ModelCli::command()),
+        Some(Some(name)) => name,
+        Some(None) => return Err(Error::InvalidArgument("unknown command (not UTF-8)".into())),
+    };
+    let model_command = ModelCli::command().find_subcommand(name).cloned();
+    let tool_command = ToolCli::command().find_subcommand(name).cloned();
+    match (model_command, tool_command) {
+        (Some(c), _) => print_help(c.bin_name(format!("tinyloop MODEL {name}"))),
+        (None, Some(c)) => print_help(c.bin_name(format!("tinyloop {name}"))),
+        (None, None) => Err(Error::InvalidArgument(format!(
+            "unknown command {name:?} (expected info, generate, score, bench, synth or convert)"
+        ))),
+    }
+}
+
+fn print_help(mut command: clap::Command) -> Result<()> {
+    print!("{}", command.render_long_help());
+    Ok(())
 }
 
 fn run_tool(cli: ToolCli) -> Result<()> {
@@ -290,15 +447,17 @@ fn convert(args: ConvertArgs) -> Result<()> {
     };
     let calibration = match &args.calib {
         Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| Error::Io {
+            let io = |e| Error::Io {
                 path: path.clone(),
                 source: e,
-            })?;
-            bytes
-                .iter()
-                .take(args.calib_bytes)
-                .map(|&b| b as u32)
-                .collect()
+            };
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .map_err(io)?
+                .take(args.calib_bytes as u64)
+                .read_to_end(&mut bytes)
+                .map_err(io)?;
+            bytes.into_iter().map(u32::from).collect()
         }
         None => Vec::new(),
     };
@@ -320,7 +479,7 @@ fn convert(args: ConvertArgs) -> Result<()> {
         calibration_loops: args.calib_loops,
         window: args.window,
         metadata,
-        progress: true,
+        progress: std::io::stderr().is_terminal(),
     };
     tinyloop::convert::convert(&opts)?;
     eprintln!("wrote {}", args.out.display());
@@ -333,6 +492,8 @@ fn run_model(cli: ModelCli) -> Result<()> {
         ModelCommand::Generate(args) => generate(&cli.model, args),
         ModelCommand::Score(args) => score(&cli.model, args),
         ModelCommand::Bench(args) => bench(&cli.model, args),
+        ModelCommand::Lens(args) => lens(&cli.model, args, false),
+        ModelCommand::Trajectory(args) => lens(&cli.model, args, true),
     }
 }
 
@@ -358,14 +519,36 @@ fn text_tokens(model: &Model, text: &[u8], flag: &str) -> Result<Vec<u32>> {
             "{flag} needs a byte-level model (vocab_size 256); pass --tokens instead"
         )));
     }
-    Ok(text.iter().map(|&b| b as u32).collect())
+    // A --file can be as large as the disk: four bytes per byte may not fit in memory.
+    let mut tokens = Vec::new();
+    tokens
+        .try_reserve_exact(text.len())
+        .map_err(|_| Error::OutOfMemory {
+            bytes: text.len().saturating_mul(4),
+            what: format!("the tokens of {flag}"),
+        })?;
+    tokens.extend(text.iter().map(|&b| u32::from(b)));
+    Ok(tokens)
+}
+
+fn utf8<'a>(text: &'a OsStr, flag: &str) -> Result<&'a str> {
+    text.to_str().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{flag} is not valid UTF-8 (pass the bytes as --tokens, or score a --file)"
+        ))
+    })
 }
 
 fn parse_tokens(ids: &[i64]) -> Result<Vec<u32>> {
     ids.iter()
         .map(|&t| {
             u32::try_from(t).map_err(|_| {
-                Error::InvalidArgument(format!("token id {t} is negative or too large"))
+                let why = if t < 0 {
+                    "is negative (must be ≥ 0)"
+                } else {
+                    "is too large"
+                };
+                Error::InvalidArgument(format!("token id {t} {why}"))
             })
         })
         .collect()
@@ -417,7 +600,7 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
 fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     let model = open(path, &args.common)?;
     let prompt = match (&args.prompt, &args.tokens) {
-        (Some(text), _) => text_tokens(&model, text.as_bytes(), "--prompt")?,
+        (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
         (None, Some(ids)) => parse_tokens(ids)?,
         (None, None) => unreachable!("clap requires --prompt or --tokens"),
     };
@@ -428,21 +611,31 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         stop_tokens: Vec::new(),
     };
     let mut session = model.new_session()?;
+    let speculation = args.speculation.speculation();
+    let run =
+        |session: &mut tinyloop::Session, on_token: &mut dyn FnMut(u32) -> bool| match &speculation
+        {
+            Some(spec) => session.generate_speculative(&prompt, &params, spec, on_token),
+            None => session.generate_stream(&prompt, &params, on_token),
+        };
     let byte_level = is_byte_level(&model);
     if args.common.json {
-        let tokens = session.generate(&prompt, &params)?;
+        let tokens = run(&mut session, &mut |_| true)?;
         let text = byte_level.then(|| decode_bytes(&tokens));
-        println!("{}", json!({"tokens": tokens, "text": text}));
+        let stats = stats_json(&session.last_generate_stats(), speculation.is_some());
+        println!(
+            "{}",
+            json!({"tokens": tokens, "text": text, "stats": stats})
+        );
         return Ok(());
     }
-    use std::io::Write;
     let mut stdout = std::io::stdout().lock();
     if byte_level {
         stdout.write_all(&decode_bytes(&prompt).into_bytes()).ok();
     }
     // Bytes of a multi-byte character arrive one token at a time; print whole characters.
     let mut pending = Vec::new();
-    let tokens = session.generate_stream(&prompt, &params, &mut |t| {
+    let tokens = run(&mut session, &mut |t| {
         if byte_level {
             pending.push(t as u8);
             if std::str::from_utf8(&pending).is_ok() || pending.len() >= 4 {
@@ -462,7 +655,107 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         .ok();
     writeln!(stdout).ok();
     if !args.common.quiet {
-        eprintln!("[tinyloop] generated {} tokens", tokens.len());
+        let stats = session.last_generate_stats();
+        eprint!("[tinyloop] generated {} tokens", tokens.len());
+        if speculation.is_some() {
+            eprint!(
+                "; accepted {} of {} drafts ({:.1} %), draft/verify agreement {:.1} %",
+                stats.accepted,
+                stats.drafted,
+                100.0 * stats.acceptance_rate(),
+                100.0 * stats.agreement()
+            );
+        }
+        eprintln!();
+    }
+    Ok(())
+}
+
+/// A call's statistics as JSON (the speculative fields only for speculative calls).
+fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
+    let mut out = json!({
+        "tokens": stats.tokens,
+        "prefill_ms": stats.prefill_ms,
+        "decode_ms": stats.decode_ms,
+    });
+    if speculative {
+        out["drafted"] = json!(stats.drafted);
+        out["accepted"] = json!(stats.accepted);
+        out["acceptance_rate"] = json!(stats.acceptance_rate());
+        out["agreement"] = json!(stats.agreement());
+    }
+    out
+}
+
+/// `lens` (`trajectory` false) or `trajectory`.
+fn lens(path: &PathBuf, args: LensArgs, trajectory: bool) -> Result<()> {
+    let model = open(path, &args.common)?;
+    let tokens = match (&args.text, &args.tokens) {
+        (Some(text), _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
+        (None, Some(ids)) => parse_tokens(ids)?,
+        (None, None) => unreachable!("clap requires --text or --tokens"),
+    };
+    let loops = args.common.loops.unwrap_or(model.config().default_loops);
+    let mut session = model.new_session()?;
+    let byte_level = is_byte_level(&model);
+    let name = |t: u32| {
+        if byte_level {
+            format!("{:?}", (t as u8) as char)
+        } else {
+            t.to_string()
+        }
+    };
+    if trajectory {
+        let points = session.score_trajectory(&tokens, Some(loops))?;
+        if args.common.json {
+            let rows: Vec<_> = points
+                .iter()
+                .map(|p| {
+                    json!({"hidden_norm": p.hidden_norm, "rel_change": p.rel_change,
+                           "kl_prev": p.kl_prev, "entropy": p.entropy, "argmax": p.argmax})
+                })
+                .collect();
+            println!("{}", json!({"loops": loops, "trajectory": rows}));
+            return Ok(());
+        }
+        println!("iteration  hidden_norm  rel_change    kl_prev  entropy_bits  argmax");
+        for (i, p) in points.iter().enumerate() {
+            println!(
+                "{:>9}  {:>11.4}  {:>10.4}  {:>9.5}  {:>12.4}  {}",
+                i + 1,
+                p.hidden_norm,
+                p.rel_change,
+                p.kl_prev,
+                p.entropy,
+                name(p.argmax)
+            );
+        }
+        return Ok(());
+    }
+    let logits = session.score_logit_lens(&tokens, Some(loops))?;
+    let vocab = model.config().vocab_size;
+    if args.common.json {
+        let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+        println!(
+            "{}",
+            json!({"loops": loops, "vocab": vocab, "logits": rows})
+        );
+        return Ok(());
+    }
+    for (i, row) in logits.chunks_exact(vocab).enumerate() {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let total: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let top: Vec<String> = order
+            .iter()
+            .take(args.top)
+            .map(|&t| {
+                let p = (row[t] as f64 - max).exp() / total;
+                format!("{} {:.3}", name(t as u32), p)
+            })
+            .collect();
+        println!("iteration {:>2}: {}", i + 1, top.join("  "));
     }
     Ok(())
 }
@@ -475,7 +768,7 @@ fn decode_bytes(tokens: &[u32]) -> String {
 fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     let model = open(path, &args.common)?;
     let tokens = match (&args.text, &args.file, &args.tokens) {
-        (Some(text), _, _) => text_tokens(&model, text.as_bytes(), "--text")?,
+        (Some(text), _, _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
         (_, Some(file), _) => {
             let bytes = std::fs::read(file).map_err(|e| Error::Io {
                 path: file.clone(),
@@ -496,7 +789,10 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     }
     let mut session = model.new_session()?;
     let (mut nll, mut count) = (0f64, 0usize);
-    for window in tokens.chunks(args.window) {
+    let windows = tokens.chunks(args.window);
+    let progress = Progress::new(&args.common, "score", windows.len());
+    for (i, window) in windows.enumerate() {
+        progress.show(i);
         if window.len() < 2 {
             continue;
         }
@@ -504,6 +800,7 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
         count += logprobs.len();
     }
+    progress.finish();
     if count == 0 {
         return Err(Error::InvalidArgument(
             "need at least 2 tokens to score".into(),
@@ -525,6 +822,39 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     Ok(())
 }
 
+/// A progress line on stderr, only when stderr is a terminal and the output is neither `--json`
+/// nor `-q`.
+struct Progress {
+    enabled: bool,
+    label: &'static str,
+    total: usize,
+}
+
+impl Progress {
+    fn new(common: &CommonArgs, label: &'static str, total: usize) -> Progress {
+        Progress {
+            enabled: !common.quiet && !common.json && std::io::stderr().is_terminal(),
+            label,
+            total,
+        }
+    }
+
+    /// `done` of `total` steps are finished.
+    fn show(&self, done: usize) {
+        if self.enabled {
+            eprint!("\r[{}] {done}/{} ", self.label, self.total);
+            std::io::stderr().flush().ok();
+        }
+    }
+
+    /// Erase the line.
+    fn finish(&self) {
+        if self.enabled {
+            eprint!("\r\x1b[2K");
+        }
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -537,7 +867,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         ));
     }
     let common = CommonArgs {
-        max_seq_len: args.common.max_seq_len.max(args.prompt_len + args.gen_len),
+        max_seq_len: (args.common.max_seq_len).max(args.prompt_len.saturating_add(args.gen_len)),
         ..args.common
     };
     let start = Instant::now();
@@ -555,25 +885,54 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         sampling: args.sampling.params(),
         ..GenerateParams::default()
     };
+    let speculation = args.speculation.speculation();
+    // Handles are built once, outside the timed runs.
+    let prefix = match args.prefix_cache {
+        Some(n) if n == 0 || n >= prompt.len() => {
+            return Err(Error::InvalidArgument(format!(
+                "--prefix-cache must be in 1..{} (below --prompt-len)",
+                prompt.len()
+            )))
+        }
+        Some(n) => Some(session.build_prefix_cache(&prompt[..n], common.loops)?),
+        None => None,
+    };
+    let resume = match args.resume_from {
+        Some(l1) => Some(session.build_resume_handle(&prompt, Some(l1))?),
+        None => None,
+    };
     // One generation yields both numbers: the first token arrives after the prefill (and one
     // head evaluation); the gaps between later tokens are decode steps.
     let run = |session: &mut tinyloop::Session| -> Result<(f64, f64)> {
         let start = Instant::now();
         let mut stamps = Vec::with_capacity(args.gen_len);
-        session.generate_stream(&prompt, &params, &mut |_| {
+        let mut stamp = |_| {
             stamps.push(start.elapsed().as_secs_f64() * 1e3);
             true
-        })?;
+        };
+        match (&speculation, &prefix, &resume) {
+            (Some(spec), _, _) => session.generate_speculative(&prompt, &params, spec, &mut stamp),
+            (_, Some(cache), _) => {
+                session.generate_with_prefix(cache, &prompt[cache.len()..], &params, &mut stamp)
+            }
+            (_, _, Some(handle)) => session.resume_generate(handle, &params, &mut stamp),
+            _ => session.generate_stream(&prompt, &params, &mut stamp),
+        }?;
         let decode = (stamps[stamps.len() - 1] - stamps[0]) / (stamps.len() - 1) as f64;
         Ok((stamps[0], decode))
     };
-    run(&mut session)?; // warm-up: caches, lazily sized buffers
+    // Runs: one warm-up (caches, lazily sized buffers), the timed repeats, one reopening.
+    let progress = Progress::new(&common, "bench", args.repeats + 2);
+    progress.show(0);
+    run(&mut session)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for _ in 0..args.repeats {
+    for i in 0..args.repeats {
+        progress.show(1 + i);
         let (first, per_token) = run(&mut session)?;
         prefill.push(first);
         decode.push(per_token);
     }
+    progress.show(1 + args.repeats);
     let prefill_ms = median(prefill);
     let decode_ms = median(decode);
     // Opening again in the same process: the driver, context and kernels are loaded already, as
@@ -585,6 +944,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     };
     drop(open(path, &quiet)?);
     let reload_ms = start.elapsed().as_secs_f64() * 1e3;
+    progress.finish();
     let loops = common.loops.unwrap_or(model.config().default_loops);
     let report = json!({
         "device": model.info().device,
@@ -608,6 +968,12 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "temperature": args.sampling.temperature,
         "top_k": args.sampling.top_k,
         "top_p": args.sampling.top_p,
+        "draft_loops": speculation.map(|s| s.draft_loops),
+        "draft_len": speculation.map(|s| s.draft_len),
+        "draft_reuse": speculation.map(|s| s.reuse),
+        "prefix_cache": args.prefix_cache,
+        "resume_from": args.resume_from,
+        "stats": stats_json(&session.last_generate_stats(), speculation.is_some()),
     });
     if common.json {
         println!("{report}");

@@ -7,9 +7,10 @@ use std::sync::Mutex;
 use half::f16;
 use rayon::prelude::*;
 
+use crate::alloc;
 use crate::backend::cpu::{dot, CpuBackend, CpuLinear, CpuStep};
 use crate::backend::{Backend, HostLinear, NormLayer, StepInput};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
@@ -20,12 +21,15 @@ pub struct Hessian {
 }
 
 impl Hessian {
-    fn new(dim: usize) -> Hessian {
-        Hessian {
+    fn new(dim: usize) -> Result<Hessian> {
+        let len = dim.checked_mul(dim).ok_or_else(|| {
+            Error::invalid(format!("a {dim}x{dim} Hessian exceeds the address space"))
+        })?;
+        Ok(Hessian {
             dim,
             rows: 0,
-            lower: vec![0.0; dim * dim],
-        }
+            lower: alloc::zeroed(len, "a GPTQ Hessian")?,
+        })
     }
 
     /// Add the rows of `x` (`rows × dim`, row-major).
@@ -52,10 +56,10 @@ impl Hessian {
     }
 
     /// The full symmetric matrix, averaged over rows.
-    pub fn to_dense(&self) -> Vec<f64> {
+    pub fn to_dense(&self) -> Result<Vec<f64>> {
         let k = self.dim;
         let n = self.rows.max(1) as f64;
-        let mut h = vec![0.0; k * k];
+        let mut h = alloc::zeroed(k * k, "a GPTQ Hessian")?;
         for i in 0..k {
             for j in 0..=i {
                 let v = self.lower[i * k + j] / n;
@@ -63,7 +67,7 @@ impl Hessian {
                 h[j * k + i] = v;
             }
         }
-        h
+        Ok(h)
     }
 }
 
@@ -98,7 +102,7 @@ impl Backend for CaptureBackend {
     fn upload_linear(&self, weight: &HostLinear) -> Result<CaptureLinear> {
         Ok(CaptureLinear {
             inner: CpuBackend.upload_linear(weight)?,
-            hessian: Mutex::new(Hessian::new(weight.cols)),
+            hessian: Mutex::new(Hessian::new(weight.cols)?),
         })
     }
 

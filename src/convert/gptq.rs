@@ -8,6 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use crate::alloc;
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::model::quant::{resolve_group_size, QuantizedMatrix};
@@ -29,8 +30,16 @@ pub fn quantize_gptq(
     let max_code = ((1u32 << bits) - 1) as f64;
     let per_byte = 8 / bits;
 
-    let mut h = h.to_vec();
-    let mut w: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    let mut h = {
+        let mut copy = alloc::with_capacity(h.len(), "a GPTQ Hessian")?;
+        copy.extend_from_slice(h);
+        copy
+    };
+    let mut w = {
+        let mut wide = alloc::with_capacity(w.len(), "a GPTQ weight")?;
+        wide.extend(w.iter().map(|&v| f64::from(v)));
+        wide
+    };
     // Inputs that never fire carry no information: pin their weights to zero.
     for i in 0..cols {
         if h[i * cols + i] == 0.0 {
@@ -116,7 +125,7 @@ pub fn output_error(w: &[f32], q: &QuantizedMatrix, h: &[f64]) -> f64 {
 fn upper_cholesky_of_inverse(h: &[f64], n: usize) -> Result<Vec<f64>> {
     let l = cholesky(h, n)?;
     // H⁻¹ = L⁻ᵀ L⁻¹; invert the lower-triangular L by forward substitution.
-    let mut l_inv = vec![0.0; n * n];
+    let mut l_inv = alloc::zeroed(n * n, "GPTQ's inverse Hessian")?;
     for col in 0..n {
         for i in col..n {
             let mut sum = if i == col { 1.0 } else { 0.0 };
@@ -126,7 +135,7 @@ fn upper_cholesky_of_inverse(h: &[f64], n: usize) -> Result<Vec<f64>> {
             l_inv[i * n + col] = sum / l[i * n + i];
         }
     }
-    let mut inv = vec![0.0; n * n];
+    let mut inv = alloc::zeroed(n * n, "GPTQ's inverse Hessian")?;
     for i in 0..n {
         for j in 0..=i {
             let v: f64 = (i..n).map(|k| l_inv[k * n + i] * l_inv[k * n + j]).sum();
@@ -135,7 +144,7 @@ fn upper_cholesky_of_inverse(h: &[f64], n: usize) -> Result<Vec<f64>> {
         }
     }
     let lower = cholesky(&inv, n)?;
-    let mut upper = vec![0.0; n * n];
+    let mut upper = alloc::zeroed(n * n, "GPTQ's inverse Hessian")?;
     for i in 0..n {
         for j in 0..=i {
             upper[j * n + i] = lower[i * n + j];
@@ -146,7 +155,7 @@ fn upper_cholesky_of_inverse(h: &[f64], n: usize) -> Result<Vec<f64>> {
 
 /// Lower-triangular L with L Lᵀ = a.
 fn cholesky(a: &[f64], n: usize) -> Result<Vec<f64>> {
-    let mut l = vec![0.0; n * n];
+    let mut l = alloc::zeroed(n * n, "a GPTQ Cholesky factor")?;
     for i in 0..n {
         for j in 0..=i {
             let dot: f64 = (0..j).map(|k| l[i * n + k] * l[j * n + k]).sum();

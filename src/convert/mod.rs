@@ -12,14 +12,15 @@ use std::sync::atomic::AtomicBool;
 use half::f16;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::alloc;
 use crate::backend::{Choice, StepInput};
 use crate::error::{Error, Result};
-use crate::format::{DType, FileWriter, ModelFile};
+use crate::format::{map_file, DType, FileWriter, ModelFile};
 use crate::kv::{KvLayout, KvMode};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{forward, Buffers};
 use crate::model::layout::{block_name, blocks, expected_tensors, TensorRole, BLOCK_LINEARS};
-use crate::model::quant::{quantize_rtn, LinearData, QuantizedMatrix};
+use crate::model::quant::{group_size_for, quantize_rtn, LinearData, QuantizedMatrix};
 use crate::model::weights::Weights;
 use capture::CaptureBackend;
 
@@ -61,9 +62,15 @@ struct Tensor {
 pub fn convert(opts: &ConvertOptions) -> Result<()> {
     let config = read_config(&opts.config)?;
     let dtype = DType::from_bits(opts.bits)?;
-    let tensors = read_checkpoint(&opts.safetensors, &config)?;
+    let specs = expected_tensors(&config);
+    if dtype.is_quantized() {
+        for spec in specs.iter().filter(|s| s.is_block_linear()) {
+            group_size_for(&spec.name, dtype, spec.shape[1] as usize, opts.group_size)?;
+        }
+    }
+    let checkpoint = read_checkpoint(&opts.safetensors, &config)?;
     let hessians = match (opts.method, dtype.is_quantized()) {
-        (Method::Gptq, true) => Some(calibrate(&config, &tensors, opts)?),
+        (Method::Gptq, true) => Some(calibrate(&config, &checkpoint, opts)?),
         _ => None,
     };
 
@@ -80,13 +87,11 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
         (Method::Gptq, true) => format!("{} g{} gptq", dtype.name(), opts.group_size),
     };
     writer.set_metadata("quantization", serde_json::json!(method));
-    let specs = expected_tensors(&config);
     let mut progress = Progress::new(opts.progress, specs.len(), "convert");
     for spec in &specs {
-        let t = &tensors[&spec.name];
-        let is_block_linear = spec.role == TensorRole::Linear && spec.name.contains('.');
-        if !is_block_linear || !dtype.is_quantized() {
-            let values: Vec<f16> = t.values.iter().map(|&v| f16::from_f32(v)).collect();
+        let t = checkpoint.get(&spec.name);
+        if !spec.is_block_linear() || !dtype.is_quantized() {
+            let values = to_f16(&spec.name, &t.values)?;
             match spec.role {
                 TensorRole::Linear => {
                     writer.add_linear(&spec.name, t.shape[0], t.shape[1], &LinearData::F16(values))
@@ -100,12 +105,33 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
                 Some(h) => best_of_gptq_and_rtn(&spec.name, &t.values, rtn, &h[&spec.name], opts)?,
                 None => rtn,
             };
+            for params in [&q.scales, &q.zeros] {
+                if params.iter().any(|p| !p.is_finite()) {
+                    return Err(Error::format(format!(
+                        "tensor {}: a quantization group spans more than the f16 range",
+                        spec.name
+                    )));
+                }
+            }
             writer.add_linear(&spec.name, rows, cols, &LinearData::Quantized(q));
         }
         progress.step(&spec.name);
     }
     progress.finish();
     writer.write(&opts.out)
+}
+
+/// Values rounded to f16, which must hold them (a file never stores NaN or infinity).
+fn to_f16(name: &str, values: &[f32]) -> Result<Vec<f16>> {
+    let mut out = alloc::with_capacity(values.len(), &format!("tensor {name} as f16"))?;
+    out.extend(values.iter().map(|&v| f16::from_f32(v)));
+    match out.iter().position(|v| !v.is_finite()) {
+        None => Ok(out),
+        Some(i) => Err(Error::format(format!(
+            "tensor {name}: element {i} ({}) is outside the f16 range",
+            values[i]
+        ))),
+    }
 }
 
 /// GPTQ's result, unless round-to-nearest has the lower layer-output error on the calibration
@@ -136,70 +162,92 @@ fn read_config(path: &Path) -> Result<ModelConfig> {
     Ok(config)
 }
 
-fn read_checkpoint(path: &Path, config: &ModelConfig) -> Result<HashMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| Error::format(format!("safetensors {}: {e}", path.display())))?;
-    let specs = expected_tensors(config);
-    let mut out = HashMap::new();
-    for spec in &specs {
-        let view = st.tensor(&spec.name).map_err(|_| {
-            Error::format(format!(
-                "checkpoint {} has no tensor {} (docs/FORMAT.md lists the expected names)",
-                path.display(),
-                spec.name
-            ))
-        })?;
-        let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
-        if shape != spec.shape {
+fn read_checkpoint(path: &Path, config: &ModelConfig) -> Result<Checkpoint> {
+    let bytes = map_file(path)?;
+    Checkpoint::parse(&bytes, config).map_err(|e| match e {
+        Error::Format(why) => Error::format(format!("checkpoint {}: {why}", path.display())),
+        other => other,
+    })
+}
+
+/// The tensors of a safetensors checkpoint, widened to f32 and checked against a config.
+pub struct Checkpoint {
+    tensors: HashMap<String, Tensor>,
+}
+
+impl Checkpoint {
+    /// Parse safetensors `bytes`: exactly the tensors `config` implies (docs/FORMAT.md names),
+    /// with their shapes, in F32, F16 or BF16, every value finite.
+    pub fn parse(bytes: &[u8], config: &ModelConfig) -> Result<Checkpoint> {
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::format(format!("safetensors: {e}")))?;
+        let specs = expected_tensors(config);
+        let mut tensors = HashMap::new();
+        for spec in &specs {
+            let name = &spec.name;
+            let view = st.tensor(name).map_err(|_| {
+                Error::format(format!(
+                    "no tensor {name} (docs/FORMAT.md lists the expected names)"
+                ))
+            })?;
+            let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+            if shape != spec.shape {
+                return Err(Error::format(format!(
+                    "tensor {name}: checkpoint shape {shape:?}, config implies {:?}",
+                    spec.shape
+                )));
+            }
+            let values = widen(name, view.dtype(), view.data())?;
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Err(Error::format(format!(
+                    "tensor {name}: element {i} is {} (weights must be finite)",
+                    values[i]
+                )));
+            }
+            let shape = view.shape().to_vec();
+            tensors.insert(name.clone(), Tensor { shape, values });
+        }
+        let unknown: Vec<&str> = st
+            .names()
+            .into_iter()
+            .filter(|n| !tensors.contains_key(*n))
+            .collect();
+        if !unknown.is_empty() {
             return Err(Error::format(format!(
-                "tensor {}: checkpoint shape {:?}, config implies {:?}",
-                spec.name, shape, spec.shape
+                "tensors the config does not use: {}",
+                unknown.join(", ")
             )));
         }
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(Error::format(format!(
-                    "tensor {}: dtype {other:?} is not supported (use F32, F16 or BF16)",
-                    spec.name
-                )))
-            }
-        };
-        let shape = view.shape().to_vec();
-        out.insert(spec.name.clone(), Tensor { shape, values });
+        Ok(Checkpoint { tensors })
     }
-    let unknown: Vec<&str> = st
-        .names()
-        .into_iter()
-        .filter(|n| !out.contains_key(*n))
-        .collect();
-    if !unknown.is_empty() {
-        return Err(Error::format(format!(
-            "checkpoint has tensors the config does not use: {}",
-            unknown.join(", ")
-        )));
+
+    fn get(&self, name: &str) -> &Tensor {
+        &self.tensors[name]
     }
-    Ok(out)
+}
+
+/// Checkpoint values as f32.
+fn widen(name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
+    let (width, value): (usize, fn(&[u8]) -> f32) = match dtype {
+        Dtype::F32 => (4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::F16 => (2, |b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::BF16 => (2, |b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        other => {
+            return Err(Error::format(format!(
+                "tensor {name}: dtype {other:?} is not supported (use F32, F16 or BF16)"
+            )))
+        }
+    };
+    let mut values = alloc::with_capacity(data.len() / width, &format!("tensor {name}"))?;
+    values.extend(data.chunks_exact(width).map(value));
+    Ok(values)
 }
 
 /// Run the calibration tokens through the f16 model and return, per block linear, the dense
 /// input second moment `E[x xᵀ]`.
 fn calibrate(
     config: &ModelConfig,
-    tensors: &HashMap<String, Tensor>,
+    checkpoint: &Checkpoint,
     opts: &ConvertOptions,
 ) -> Result<HashMap<String, Vec<f64>>> {
     if opts.calibration.len() < 2 {
@@ -215,12 +263,23 @@ fn calibrate(
             config.vocab_size
         )));
     }
+    let window = opts.window.max(2);
+    if window > config.max_position {
+        return Err(Error::invalid(format!(
+            "calibration window {window} exceeds the model's max_position {}",
+            config.max_position
+        )));
+    }
+    let loops = opts.calibration_loops.unwrap_or(config.default_loops);
+    if loops == 0 {
+        return Err(Error::invalid("calibration loops must be >= 1"));
+    }
+    config.check_session(window, loops.max(config.default_loops))?;
     // The f16 model, written once to a temporary file and loaded through the capture backend.
     let mut writer = FileWriter::new(config.clone());
     for spec in expected_tensors(config) {
-        let t = &tensors[&spec.name];
-        let values: Vec<f16> = t.values.iter().map(|&v| f16::from_f32(v)).collect();
-        writer.add_f16(&spec.name, &t.shape, &values);
+        let t = checkpoint.get(&spec.name);
+        writer.add_f16(&spec.name, &t.shape, &to_f16(&spec.name, &t.values)?);
     }
     let tmp = opts.out.with_extension("calibration.tmp");
     writer.write(&tmp)?;
@@ -228,7 +287,6 @@ fn calibrate(
     std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))?;
     let file = file?;
 
-    let window = opts.window.max(2);
     let backend = CaptureBackend;
     let weights = Weights::load(&backend, &file, window)?;
     let layout = KvLayout::new(config, KvMode::Fp16, window)?;
@@ -269,7 +327,7 @@ fn calibrate(
                 .hessian
                 .lock()
                 .expect("hessian lock is never poisoned");
-            out.insert(format!("{name}.{suffix}"), h.to_dense());
+            out.insert(format!("{name}.{suffix}"), h.to_dense()?);
         }
     }
     Ok(out)

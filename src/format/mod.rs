@@ -13,6 +13,7 @@
 mod reader;
 mod writer;
 
+pub(crate) use reader::map_file;
 pub use reader::ModelFile;
 pub use writer::FileWriter;
 
@@ -47,6 +48,11 @@ impl DType {
             DType::Int4 => 4,
             DType::Int2 => 2,
         }
+    }
+
+    /// Codes packed into one byte (quantized types only).
+    pub fn codes_per_byte(self) -> u64 {
+        u64::from(8 / self.bits())
     }
 
     pub fn is_quantized(self) -> bool {
@@ -91,44 +97,134 @@ pub struct TensorEntry {
 }
 
 impl TensorEntry {
-    pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+    /// Number of elements, or `None` when the product of the dimensions overflows.
+    pub fn numel(&self) -> Option<u64> {
+        self.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d))
     }
 
-    /// The byte length the dtype, shape and group size imply, or a message saying why they are inconsistent.
+    /// The byte length the dtype, shape and group size imply, or a message saying why they are
+    /// inconsistent (including sizes too large to compute).
     pub fn expected_length(&self) -> Result<u64, String> {
-        let numel = self.numel();
-        match self.dtype {
-            DType::F16 => Ok(numel * 2),
-            DType::F32 => Ok(numel * 4),
-            DType::Int4 | DType::Int2 => {
-                let [rows, cols] = self.shape[..] else {
-                    return Err(format!(
-                        "quantized tensor must be 2-D, shape is {:?}",
-                        self.shape
-                    ));
-                };
-                let g = self
-                    .group_size
-                    .ok_or("quantized tensor has no group_size")?;
-                if g == 0 || cols % g != 0 {
-                    return Err(format!("group_size {g} does not divide {cols} columns"));
-                }
-                let per_byte = 8 / self.dtype.bits() as u64;
-                if cols % per_byte != 0 {
-                    return Err(format!(
-                        "{cols} columns cannot be packed {per_byte} codes per byte"
-                    ));
-                }
-                let codes = rows * cols / per_byte;
-                let params = rows * (cols / g) * 2 * 2; // f16 scales + f16 zeros
-                Ok(codes + params)
+        let too_large = || format!("shape {:?} is too large", self.shape);
+        let numel = self.numel().ok_or_else(too_large)?;
+        if !self.dtype.is_quantized() {
+            if let Some(g) = self.group_size {
+                return Err(format!(
+                    "group_size {g} given for an unquantized {} tensor",
+                    self.dtype.name()
+                ));
             }
+            let width = u64::from(self.dtype.bits() / 8);
+            return numel.checked_mul(width).ok_or_else(too_large);
         }
+        let [rows, cols] = self.shape[..] else {
+            return Err(format!(
+                "quantized tensor must be 2-D, shape is {:?}",
+                self.shape
+            ));
+        };
+        let g = self
+            .group_size
+            .ok_or("quantized tensor has no group_size")?;
+        check_group_size(self.dtype, cols, g)?;
+        // Exact: `cols` is a multiple of the codes per byte.
+        let codes = numel / self.dtype.codes_per_byte();
+        let params = rows
+            .checked_mul(cols / g)
+            .and_then(|n| n.checked_mul(2 * 2)) // f16 scales + f16 zeros
+            .ok_or_else(too_large)?;
+        codes.checked_add(params).ok_or_else(too_large)
     }
+}
+
+/// The group sizes every backend supports for a quantized `[rows, cols]` weight: a group divides
+/// `cols` and starts on a byte boundary of the packed codes, so it is a multiple of the codes per
+/// byte (2 for int4, 4 for int2), as is `cols` itself.
+pub fn check_group_size(dtype: DType, cols: u64, group_size: u64) -> Result<(), String> {
+    let per_byte = dtype.codes_per_byte();
+    if !cols.is_multiple_of(per_byte) {
+        return Err(format!(
+            "{cols} columns cannot be packed {per_byte} codes per byte"
+        ));
+    }
+    if group_size == 0 || !group_size.is_multiple_of(per_byte) {
+        return Err(format!(
+            "group_size {group_size} is not a positive multiple of {per_byte} ({} packs {per_byte} \
+             codes per byte and a group must start on a byte boundary)",
+            dtype.name()
+        ));
+    }
+    if !cols.is_multiple_of(group_size) {
+        return Err(format!(
+            "group_size {group_size} does not divide {cols} columns"
+        ));
+    }
+    Ok(())
+}
+
+/// Index of the first value of little-endian f16 data that is NaN or infinite.
+pub fn first_non_finite_f16(bytes: &[u8]) -> Option<usize> {
+    // NaN and ±Inf have every exponent bit set: bits 10..14 of the value, 2..6 of its high byte.
+    let bad = |pair: &[u8]| pair[1] & 0x7c == 0x7c;
+    // Four values per u64: adding 0x0400 to a value's exponent bits carries into its top bit
+    // exactly when they are all set. Blocks are scanned without branches (this vectorizes);
+    // a block with a hit is then searched value by value.
+    const EXPONENTS: u64 = 0x7c00_7c00_7c00_7c00;
+    const CARRY: u64 = 0x0400_0400_0400_0400;
+    const TOP: u64 = 0x8000_8000_8000_8000;
+    const BLOCK: usize = 4096;
+    bytes.chunks(BLOCK).enumerate().find_map(|(b, block)| {
+        let (words, tail) = block.as_chunks::<8>();
+        let carries = words.iter().fold(0, |acc, w| {
+            acc | ((u64::from_le_bytes(*w) & EXPONENTS) + CARRY)
+        });
+        if carries & TOP == 0 && !tail.chunks_exact(2).any(bad) {
+            return None;
+        }
+        let i = block.chunks_exact(2).position(bad)?;
+        Some(b * BLOCK / 2 + i)
+    })
 }
 
 /// Round `n` up to the next multiple of [`ALIGNMENT`].
 pub fn align_up(n: u64) -> u64 {
     n.div_ceil(ALIGNMENT) * ALIGNMENT
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::first_non_finite_f16;
+
+    #[test]
+    fn finds_the_first_nan_or_infinity_anywhere() {
+        let specials = [f16::NAN, f16::INFINITY, f16::NEG_INFINITY];
+        let finite = [
+            f16::MAX,
+            f16::MIN,
+            f16::MIN_POSITIVE_SUBNORMAL,
+            f16::ZERO,
+            f16::NEG_ZERO,
+        ];
+        // Lengths around the u64 words and the 4096-byte blocks, a special value at each place.
+        for len in [1, 3, 4, 5, 2047, 2048, 2049, 5000] {
+            let clean: Vec<u8> = (0..len)
+                .flat_map(|i| finite[i % finite.len()].to_le_bytes())
+                .collect();
+            assert_eq!(first_non_finite_f16(&clean), None, "len {len}");
+            for at in [0, len / 2, len - 1] {
+                for (k, special) in specials.iter().enumerate() {
+                    let mut bytes = clean.clone();
+                    bytes[2 * at..2 * at + 2].copy_from_slice(&special.to_le_bytes());
+                    if at + 1 < len {
+                        // A later one must not hide the first.
+                        let later = specials[(k + 1) % specials.len()];
+                        bytes[2 * len - 2..].copy_from_slice(&later.to_le_bytes());
+                    }
+                    assert_eq!(first_non_finite_f16(&bytes), Some(at), "len {len} at {at}");
+                }
+            }
+        }
+    }
 }

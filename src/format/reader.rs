@@ -4,11 +4,15 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
 
+use half::f16;
 use memmap2::Mmap;
 use rayon::prelude::*;
 use serde::Deserialize;
 
-use super::{align_up, DType, TensorEntry, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
+use super::{
+    align_up, first_non_finite_f16, DType, TensorEntry, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN,
+    PREAMBLE_LEN,
+};
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
 use crate::model::layout::{expected_tensors, TensorRole};
@@ -22,9 +26,26 @@ struct Header {
     metadata: serde_json::Map<String, serde_json::Value>,
 }
 
+/// The bytes of a model file: mapped from disk, or owned in memory.
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(map) => map,
+            Storage::Owned(bytes) => bytes,
+        }
+    }
+}
+
 /// An opened, fully validated `.tinyloop` file.
 pub struct ModelFile {
-    mmap: Mmap,
+    bytes: Storage,
     data_start: usize,
     pub config: ModelConfig,
     pub metadata: serde_json::Map<String, serde_json::Value>,
@@ -42,18 +63,18 @@ impl std::fmt::Debug for ModelFile {
 
 impl ModelFile {
     /// Open, map and validate a model file: preamble, header, config, the tensor table against the
-    /// architecture, bounds and checksums.
+    /// architecture, bounds, checksums and values.
     pub fn open(path: impl AsRef<Path>) -> Result<ModelFile> {
-        let path = path.as_ref();
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: the map is read-only; we never hand out references that outlive `self`.
-        // Modifying the file while it is open is outside the library's contract (as for any mmap reader).
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Self::from_mmap(mmap)
+        Self::validate(Storage::Mapped(map_file(path.as_ref())?))
     }
 
-    fn from_mmap(mmap: Mmap) -> Result<ModelFile> {
-        let bytes: &[u8] = &mmap;
+    /// Validate a model file held in memory (for example one received over a network).
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<ModelFile> {
+        Self::validate(Storage::Owned(bytes))
+    }
+
+    fn validate(storage: Storage) -> Result<ModelFile> {
+        let bytes: &[u8] = &storage;
         if bytes.len() < PREAMBLE_LEN {
             if bytes.len() >= 8 && &bytes[..8] != MAGIC {
                 return Err(Error::format("bad magic: not a .tinyloop file"));
@@ -108,20 +129,22 @@ impl ModelFile {
         check_against_layout(&header.config, &tensors)?;
 
         let data = &bytes[data_start.min(bytes.len() as u64) as usize..];
+        // Checksums and value checks read every byte once; tensors are independent.
         tensors.par_iter().try_for_each(|(name, entry)| {
             let range = entry.offset as usize..(entry.offset + entry.length) as usize;
-            let actual = crc32fast::hash(&data[range]);
+            let bytes = &data[range];
+            let actual = crc32fast::hash(bytes);
             if actual != entry.crc32 {
                 return Err(Error::format(format!(
                     "checksum mismatch in tensor {name}: stored {:#010x}, computed {actual:#010x}",
                     entry.crc32
                 )));
             }
-            Ok(())
+            check_finite(entry, bytes)
         })?;
 
         Ok(ModelFile {
-            mmap,
+            bytes: storage,
             data_start: data_start as usize,
             config: header.config,
             metadata: header.metadata,
@@ -132,7 +155,7 @@ impl ModelFile {
     pub fn tensor(&self, name: &str) -> Option<(&TensorEntry, &[u8])> {
         let entry = self.tensors.get(name)?;
         let start = self.data_start + entry.offset as usize;
-        Some((entry, &self.mmap[start..start + entry.length as usize]))
+        Some((entry, &self.bytes[start..start + entry.length as usize]))
     }
 
     pub fn tensor_entries(&self) -> impl Iterator<Item = &TensorEntry> {
@@ -140,8 +163,28 @@ impl ModelFile {
     }
 
     pub fn file_len(&self) -> usize {
-        self.mmap.len()
+        self.bytes.len()
     }
+}
+
+/// Map a regular file read-only.
+pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
+    // Checked before opening: opening a FIFO would block, and a directory cannot be mapped.
+    let kind = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .file_type();
+    if !kind.is_file() {
+        let what = if kind.is_dir() {
+            "is a directory, not a file"
+        } else {
+            "is not a regular file"
+        };
+        return Err(Error::io(path, std::io::Error::other(what)));
+    }
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the map is read-only and never outlives its owner. Modifying the file while it is
+    // mapped is outside the library's contract (as for any mmap reader).
+    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
 }
 
 fn check_entry(entry: &TensorEntry, data_len: u64) -> Result<()> {
@@ -172,6 +215,46 @@ fn check_entry(entry: &TensorEntry, data_len: u64) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Reject NaN and infinite f16 values (whole f16 tensors; scales and zeros of quantized ones):
+/// the forward pass would turn them into NaN logits.
+fn check_finite(entry: &TensorEntry, bytes: &[u8]) -> Result<()> {
+    let name = &entry.name;
+    let value = |at: usize| f16::from_le_bytes([bytes[at], bytes[at + 1]]);
+    let quantized = match entry.dtype {
+        DType::F16 => false,
+        DType::Int4 | DType::Int2 => true,
+        DType::F32 => return Err(Error::format(format!("tensor {name}: f32 is reserved"))),
+    };
+    if !quantized {
+        return match first_non_finite_f16(bytes) {
+            None => Ok(()),
+            Some(i) => Err(Error::format(format!(
+                "tensor {name}: element {i} is {} (weights must be finite)",
+                value(2 * i)
+            ))),
+        };
+    }
+    // Codes, then scales, then zeros.
+    let (rows, cols) = (entry.shape[0], entry.shape[1]);
+    let groups = cols / entry.group_size.unwrap_or(cols);
+    let codes = (rows * cols / entry.dtype.codes_per_byte()) as usize;
+    let Some(i) = first_non_finite_f16(&bytes[codes..]) else {
+        return Ok(());
+    };
+    let n_params = (rows * groups) as usize;
+    let (kind, p) = if i < n_params {
+        ("scale", i)
+    } else {
+        ("zero", i - n_params)
+    };
+    Err(Error::format(format!(
+        "tensor {name}: {kind} of row {}, group {} is {} (weights must be finite)",
+        p as u64 / groups,
+        p as u64 % groups,
+        value(codes + 2 * i)
+    )))
 }
 
 fn check_against_layout(

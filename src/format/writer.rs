@@ -92,23 +92,34 @@ impl FileWriter {
         };
         let file = std::fs::File::create(path).map_err(fail)?;
         let mut out = BufWriter::new(file);
+        self.write_to(&mut out).map_err(fail)?;
+        out.flush().map_err(fail)
+    }
+
+    /// The file's bytes, in memory.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.write_to(&mut out)
+            .expect("writing to a Vec cannot fail");
+        out
+    }
+
+    fn write_to(&self, out: &mut impl Write) -> std::io::Result<()> {
         let header = self.header_json();
         let header_end = (PREAMBLE_LEN + header.len()) as u64;
-        out.write_all(MAGIC).map_err(fail)?;
-        out.write_all(&FORMAT_VERSION.to_le_bytes()).map_err(fail)?;
-        out.write_all(&0u32.to_le_bytes()).map_err(fail)?;
-        out.write_all(&(header.len() as u64).to_le_bytes())
-            .map_err(fail)?;
-        out.write_all(&header).map_err(fail)?;
+        out.write_all(MAGIC)?;
+        out.write_all(&FORMAT_VERSION.to_le_bytes())?;
+        out.write_all(&0u32.to_le_bytes())?;
+        out.write_all(&(header.len() as u64).to_le_bytes())?;
+        out.write_all(&header)?;
         let mut written = header_end;
         let data_start = align_up(header_end);
         for (entry, blob) in self.entries.iter().zip(&self.blobs) {
             let target = data_start + entry.offset;
-            out.write_all(&vec![0u8; (target - written) as usize])
-                .map_err(fail)?;
-            out.write_all(blob).map_err(fail)?;
+            out.write_all(&vec![0u8; (target - written) as usize])?;
+            out.write_all(blob)?;
             written = target + blob.len() as u64;
         }
-        out.flush().map_err(fail)
+        Ok(())
     }
 }

@@ -9,7 +9,7 @@
 use std::sync::atomic::AtomicBool;
 
 use super::sampling::argmax;
-use super::whole;
+use super::{finite, whole};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::forward::{
@@ -55,7 +55,7 @@ pub fn logit_lens<B: Backend>(
         }
         final_norm(backend, w, buf, rows);
         logits(backend, w, buf, last, 1);
-        lens.extend(backend.read_float(&buf.logits, 0, vocab)?);
+        lens.extend(finite(backend.read_float(&buf.logits, 0, vocab)?)?);
         if let Some(saved) = saved.as_ref() {
             restore_rows(backend, buf, saved, 0, 0, rows);
         }

@@ -210,6 +210,19 @@ pub(crate) fn decode<B: Backend>(
     Ok(())
 }
 
+/// Logits as returned to a caller, who must never receive NaN or infinity: finite weights can
+/// still overflow the f16 intermediates (docs/FORMAT.md "Numerics"), and that is an error.
+pub(crate) fn finite(logits: Vec<f32>) -> Result<Vec<f32>> {
+    match logits.iter().position(|v| !v.is_finite()) {
+        None => Ok(logits),
+        Some(i) => Err(Error::Format(format!(
+            "the model's arithmetic overflowed: a logit is {} (weights too large for f16 \
+             activations)",
+            logits[i]
+        ))),
+    }
+}
+
 /// Generate up to `req.max_tokens` tokens after `prompt`, calling `on_token` for each; generation
 /// stops early when `on_token` returns false, a stop token appears, or `cancel` is set.
 pub fn generate<B: Backend>(
@@ -247,7 +260,7 @@ pub fn score<B: Backend>(
     for first in (0..n).step_by(LOGIT_ROWS) {
         let rows = LOGIT_ROWS.min(n - first);
         logits(backend, w, buf, first, rows);
-        out.extend(backend.read_float(&buf.logits, 0, rows * vocab)?);
+        out.extend(finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?);
     }
     Ok(out)
 }
@@ -265,7 +278,7 @@ pub fn score_last<B: Backend>(
     forward(backend, w, buf, whole(tokens), loops, cancel)?;
     final_norm(backend, w, buf, n);
     logits(backend, w, buf, n - 1, 1);
-    backend.read_float(&buf.logits, 0, w.config.vocab_size)
+    finite(backend.read_float(&buf.logits, 0, w.config.vocab_size)?)
 }
 
 /// `tokens` as one greedy step from position 0.

@@ -42,7 +42,24 @@ pub struct ModelConfig {
     pub head: HeadKind,
 }
 
+/// Upper bounds on config values (docs/FORMAT.md "Limits"). They lie far above any model this
+/// runtime targets and keep every size derived from a config far below 2^63 (on 64-bit targets),
+/// so that no product of header values overflows and nothing is built from an unchecked count.
+pub mod limits {
+    /// `dim`, `embed_factor_dim`.
+    pub const MAX_DIM: usize = 1 << 16;
+    pub const MAX_HEADS: usize = 1 << 12;
+    pub const MAX_FFN_DIM: usize = 1 << 18;
+    pub const MAX_VOCAB: usize = 1 << 24;
+    /// `n_pre_blocks`, `n_loop_blocks`, `n_post_blocks` (each).
+    pub const MAX_BLOCKS: usize = 1 << 10;
+    pub const MAX_DEFAULT_LOOPS: usize = 1 << 10;
+    pub const MAX_POSITION: usize = 1 << 24;
+}
+
 impl ModelConfig {
+    /// `dim / n_heads`. This and the other derived sizes below are valid (and cannot overflow)
+    /// once [`ModelConfig::validate`] has passed.
     pub fn head_dim(&self) -> usize {
         self.dim / self.n_heads
     }
@@ -57,24 +74,33 @@ impl ModelConfig {
     }
 
     /// Block applications (and so KV cache slots) for one sequence at `loops` iterations.
+    /// Cannot overflow for `loops` up to a `max_loops` that [`ModelConfig::check_session`] accepted.
     pub fn applications(&self, loops: usize) -> usize {
         self.n_pre_blocks + self.n_loop_blocks * loops + self.n_post_blocks
     }
 
+    /// Range checks of every field, then the relations between them.
     pub fn validate(&self) -> Result<()> {
+        use limits::*;
         let fail = |what: String| Err(Error::format(format!("config: {what}")));
-        for (name, value) in [
-            ("dim", self.dim),
-            ("n_heads", self.n_heads),
-            ("n_kv_heads", self.n_kv_heads),
-            ("ffn_dim", self.ffn_dim),
-            ("vocab_size", self.vocab_size),
-            ("n_loop_blocks", self.n_loop_blocks),
-            ("default_loops", self.default_loops),
-            ("max_position", self.max_position),
+        for (name, value, min, max) in [
+            ("dim", self.dim, 1, MAX_DIM),
+            ("n_heads", self.n_heads, 1, MAX_HEADS),
+            ("n_kv_heads", self.n_kv_heads, 1, MAX_HEADS),
+            ("ffn_dim", self.ffn_dim, 1, MAX_FFN_DIM),
+            ("vocab_size", self.vocab_size, 1, MAX_VOCAB),
+            ("embed_factor_dim", self.embed_factor_dim, 0, MAX_DIM),
+            ("n_pre_blocks", self.n_pre_blocks, 0, MAX_BLOCKS),
+            ("n_loop_blocks", self.n_loop_blocks, 1, MAX_BLOCKS),
+            ("n_post_blocks", self.n_post_blocks, 0, MAX_BLOCKS),
+            ("default_loops", self.default_loops, 1, MAX_DEFAULT_LOOPS),
+            ("max_position", self.max_position, 1, MAX_POSITION),
         ] {
-            if value == 0 {
+            if value < min {
                 return fail(format!("{name} must be > 0"));
+            }
+            if value > max {
+                return fail(format!("{name} {value} exceeds the limit {max}"));
             }
         }
         if !self.dim.is_multiple_of(self.n_heads) {
@@ -95,14 +121,54 @@ impl ModelConfig {
                 self.head_dim()
             ));
         }
-        if self.vocab_size > i32::MAX as usize {
-            return fail(format!("vocab_size {} exceeds i32", self.vocab_size));
+        // Norms add ε in f32, so it must be a positive f32 (a zero ε divides 0 by 0).
+        let eps = self.norm_eps as f32;
+        if !(eps > 0.0 && eps.is_finite()) {
+            return fail(format!(
+                "norm_eps {:e} must be positive and representable as f32",
+                self.norm_eps
+            ));
         }
-        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
-            return fail(format!("norm_eps {} must be positive", self.norm_eps));
+        // Below 1 the RoPE frequencies θ^(−2i/head_dim) grow instead of shrinking, and at tiny θ
+        // the angles overflow.
+        if !(self.rope_theta >= 1.0 && self.rope_theta.is_finite()) {
+            return fail(format!("rope_theta {:e} must be ≥ 1", self.rope_theta));
         }
-        if !(self.rope_theta > 0.0 && self.rope_theta.is_finite()) {
-            return fail(format!("rope_theta {} must be positive", self.rope_theta));
+        Ok(())
+    }
+
+    /// Check the options a model is opened with against this (validated) config: sequences fit
+    /// the model's positions, the default loop count is allowed, and every size a session derives
+    /// from them (KV cache, step buffers, RoPE table) is computable without overflow.
+    pub fn check_session(&self, max_seq_len: usize, max_loops: usize) -> Result<()> {
+        if max_seq_len > self.max_position {
+            return Err(Error::invalid(format!(
+                "max_seq_len {max_seq_len} exceeds the model's max_position {}",
+                self.max_position
+            )));
+        }
+        if self.default_loops > max_loops {
+            return Err(Error::invalid(format!(
+                "the model's default_loops {} exceeds max_loops {max_loops}",
+                self.default_loops
+            )));
+        }
+        // Step buffers and the RoPE table multiply max_seq_len (≤ max_position) by widths within
+        // the limits, far below 2^63. The KV cache also scales with max_loops, which the caller
+        // chooses: K and V for every application at max_loops, at up to 8 bytes per value.
+        let kv_bytes = self
+            .n_loop_blocks
+            .checked_mul(max_loops)
+            .and_then(|n| n.checked_add(self.n_pre_blocks + self.n_post_blocks))
+            .and_then(|slots| slots.checked_mul(max_seq_len))
+            .and_then(|n| n.checked_mul(self.kv_dim()))
+            .and_then(|n| n.checked_mul(2 * 8))
+            .filter(|&bytes| bytes <= isize::MAX as usize);
+        if kv_bytes.is_none() {
+            return Err(Error::invalid(format!(
+                "a KV cache for max_loops {max_loops} and max_seq_len {max_seq_len} would exceed \
+                 the address space; lower max_loops"
+            )));
         }
         Ok(())
     }

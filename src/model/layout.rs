@@ -47,6 +47,13 @@ pub struct TensorSpec {
     pub role: TensorRole,
 }
 
+impl TensorSpec {
+    /// One of the five linears of a block (the weights that synth and convert quantize).
+    pub fn is_block_linear(&self) -> bool {
+        self.role == TensorRole::Linear && self.name.contains('.')
+    }
+}
+
 /// The five quantized weights of a block, named as in the seed pages.
 pub const BLOCK_LINEARS: [&str; 5] = ["attn_qkv", "attn_out", "mlp_gate", "mlp_up", "mlp_down"];
 

@@ -6,8 +6,9 @@
 
 use half::f16;
 
+use crate::alloc;
 use crate::error::{Error, Result};
-use crate::format::DType;
+use crate::format::{check_group_size, DType};
 
 /// A matrix in one of the stored linear-weight encodings.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,27 +41,35 @@ impl QuantizedMatrix {
         out
     }
 
-    /// Parse the serialized layout. The caller has already checked the length against the shape.
+    /// Parse the serialized layout. The caller has already checked the length against the shape;
+    /// the copies are as large as the tensor, so their allocation may fail.
     pub fn from_bytes(
         dtype: DType,
         rows: usize,
         cols: usize,
         group_size: usize,
         bytes: &[u8],
-    ) -> QuantizedMatrix {
+    ) -> Result<QuantizedMatrix> {
         let code_len = rows * cols * dtype.bits() as usize / 8;
         let n_params = rows * (cols / group_size);
         let (codes, params) = bytes.split_at(code_len);
         let (scales, zeros) = params.split_at(n_params * 2);
-        QuantizedMatrix {
+        let mut code_copy = alloc::with_capacity(codes.len(), "quantized codes")?;
+        code_copy.extend_from_slice(codes);
+        let params = |bytes: &[u8], what: &str| -> Result<Vec<f16>> {
+            let mut values = alloc::with_capacity(bytes.len() / 2, what)?;
+            values.extend(f16_values(bytes));
+            Ok(values)
+        };
+        Ok(QuantizedMatrix {
             dtype,
             rows,
             cols,
             group_size,
-            codes: codes.to_vec(),
-            scales: f16_from_bytes(scales),
-            zeros: f16_from_bytes(zeros),
-        }
+            codes: code_copy,
+            scales: params(scales, "quantization scales")?,
+            zeros: params(zeros, "quantization zeros")?,
+        })
     }
 
     /// Code of element (row, col).
@@ -82,34 +91,39 @@ impl QuantizedMatrix {
 }
 
 pub fn f16_from_bytes(bytes: &[u8]) -> Vec<f16> {
+    f16_values(bytes).collect()
+}
+
+/// The little-endian f16 values of `bytes`.
+pub fn f16_values(bytes: &[u8]) -> impl Iterator<Item = f16> + '_ {
     bytes
         .chunks_exact(2)
         .map(|b| f16::from_le_bytes([b[0], b[1]]))
-        .collect()
 }
 
 pub fn f16_to_bytes(values: &[f16]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-/// Check that `cols` can be quantized at `dtype` with `group_size` (0 means one group per row).
+/// The group size for quantizing `cols` columns at `dtype` when `group_size` is asked for (0 means
+/// one group per row; a size above `cols` is clamped to it), checked against the rule every backend
+/// supports ([`check_group_size`]).
 pub fn resolve_group_size(dtype: DType, cols: usize, group_size: usize) -> Result<usize> {
+    resolve(dtype, cols, group_size).map_err(Error::invalid)
+}
+
+/// [`resolve_group_size`] for the weight `name`, naming it in the error.
+pub fn group_size_for(name: &str, dtype: DType, cols: usize, group_size: usize) -> Result<usize> {
+    resolve(dtype, cols, group_size).map_err(|why| Error::invalid(format!("tensor {name}: {why}")))
+}
+
+fn resolve(dtype: DType, cols: usize, group_size: usize) -> Result<usize, String> {
     let g = if group_size == 0 {
         cols
     } else {
         group_size.min(cols)
     };
-    let per_byte = 8 / dtype.bits() as usize;
-    if !cols.is_multiple_of(g) {
-        return Err(Error::invalid(format!(
-            "group size {g} does not divide {cols} columns"
-        )));
-    }
-    if !cols.is_multiple_of(per_byte) {
-        return Err(Error::invalid(format!(
-            "{cols} columns cannot be packed {per_byte} codes per byte"
-        )));
-    }
+    check_group_size(dtype, cols as u64, g as u64)?;
     Ok(g)
 }
 

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::config::{HeadKind, ModelConfig, NormKind};
 use super::layout::{expected_tensors, TensorRole};
-use super::quant::{quantize_rtn, LinearData};
+use super::quant::{group_size_for, quantize_rtn, LinearData};
 use crate::error::{Error, Result};
 use crate::format::{DType, FileWriter};
 use crate::generate::sampling::Rng;
@@ -15,9 +15,10 @@ pub const PRESETS: [&str; 5] = ["tiny", "small", "tl-407m", "tiny-gqa", "tiny-ti
 
 /// The architecture of a named preset.
 ///
-/// * `tiny`: byte vocab, D 64, 4 heads, F 256, 2 pre + 1 loop, L 4.
+/// * `tiny`: byte vocab, D 64, 4 heads, F 256, 2 pre + 1 loop, L 4, 2048 positions (as all the
+///   presets below but `tl-407m`).
 /// * `small`: byte vocab, D 512, 8 heads, F 2048, 2 pre + 1 loop, L 4.
-/// * `tl-407m`: D 2048, 16 heads, F 8192, vocab 50304, 2 pre + 1 loop, L 8, positions 32768.
+/// * `tl-407m`: D 2048, 16 heads, F 8192, vocab 50304, 2 pre + 1 loop, L 8, 32768 positions.
 /// * `tiny-gqa`: GQA (4 heads, 2 KV heads), LayerNorm, factorized embedding with tied head,
 ///   1 pre + 2 loop + 1 post blocks, L 3.
 /// * `tiny-tied`: no pre blocks, tied full-rank head, L 2.
@@ -96,15 +97,19 @@ pub fn random_model(
     config.validate()?;
     let dtype = DType::from_bits(bits)?;
     let specs = expected_tensors(config);
+    if dtype.is_quantized() {
+        for spec in specs.iter().filter(|s| s.is_block_linear()) {
+            group_size_for(&spec.name, dtype, spec.shape[1] as usize, group_size)?;
+        }
+    }
     // Each tensor draws from its own generator, so tensors can be built in parallel.
     let tensors: Vec<(usize, LinearData)> = specs
         .par_iter()
         .enumerate()
         .map(|(i, spec)| {
             let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
-            let values = random_values(&spec.name, &spec.shape, spec.role, &mut rng);
-            let is_block_linear = spec.role == TensorRole::Linear && spec.name.contains('.');
-            let data = if is_block_linear && dtype.is_quantized() {
+            let values = random_values(&spec.name, &spec.shape, spec.role, &mut rng)?;
+            let data = if spec.is_block_linear() && dtype.is_quantized() {
                 let (rows, cols) = (spec.shape[0] as usize, spec.shape[1] as usize);
                 LinearData::Quantized(quantize_rtn(&values, rows, cols, dtype, group_size)?)
             } else {
@@ -140,26 +145,27 @@ fn tokenizer_name(config: &ModelConfig) -> &'static str {
     }
 }
 
-fn random_values(name: &str, shape: &[u64], role: TensorRole, rng: &mut Rng) -> Vec<f32> {
+fn random_values(name: &str, shape: &[u64], role: TensorRole, rng: &mut Rng) -> Result<Vec<f32>> {
+    // The config passed validation, so the product fits; the allocation may still fail.
     let len = shape.iter().product::<u64>() as usize;
+    let mut values = crate::alloc::with_capacity(len, &format!("tensor {name}"))?;
     let mut normal = || {
         // Box–Muller; one value per draw keeps the stream simple.
         let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
         let u2 = rng.next_f64();
         ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
     };
-    match role {
-        TensorRole::Vector if name.ends_with(".bias") => {
-            (0..len).map(|_| 0.05 * normal()).collect()
-        }
-        TensorRole::Vector => (0..len).map(|_| 1.0 + 0.1 * normal()).collect(),
-        TensorRole::Table => (0..len).map(|_| normal()).collect(),
+    let (offset, gain) = match role {
+        TensorRole::Vector if name.ends_with(".bias") => (0.0, 0.05),
+        TensorRole::Vector => (1.0, 0.1),
+        TensorRole::Table => (0.0, 1.0),
         TensorRole::Linear => {
             // Variance 1/fan_in keeps activations O(1); residual branches get half that gain.
             let fan_in = shape[1] as f32;
             let residual = name.ends_with("attn_out") || name.ends_with("mlp_down");
-            let gain = if residual { 0.5 } else { 1.0 } / fan_in.sqrt();
-            (0..len).map(|_| gain * normal()).collect()
+            (0.0, if residual { 0.5 } else { 1.0 } / fan_in.sqrt())
         }
-    }
+    };
+    values.extend((0..len).map(|_| offset + gain * normal()));
+    Ok(values)
 }

@@ -6,7 +6,7 @@ use crate::format::{DType, ModelFile};
 use crate::kv::Application;
 use crate::model::config::{HeadKind, ModelConfig};
 use crate::model::layout::{block_name, blocks, Stage, BLOCK_LINEARS};
-use crate::model::quant::f16_from_bytes;
+use crate::model::quant::{f16_from_bytes, f16_values};
 
 pub struct Norm<B: Backend> {
     pub weight: B::Vector,
@@ -50,6 +50,8 @@ impl<B: Backend> Weights<B> {
     /// Upload every tensor of `file`; the RoPE table covers `positions` positions.
     pub fn load(backend: &B, file: &ModelFile, positions: usize) -> Result<Weights<B>> {
         let config = file.config.clone();
+        // Sized by the caller's max_seq_len: the allocation most likely to fail goes first.
+        let table = rope_table(positions, config.head_dim(), config.rope_theta)?;
         let mut bytes = 0usize;
         let mut linear = |name: &str| -> Result<B::Linear> {
             let w = backend.upload_linear(&host_linear(file, name)?)?;
@@ -82,7 +84,6 @@ impl<B: Backend> Weights<B> {
             (HeadKind::Tied, _) => Head::TiedFactorized(linear_transposed(backend, file)?),
         };
         let final_norm = load_norm(backend, file, "final_norm")?;
-        let table = rope_table(positions, config.head_dim(), config.rope_theta);
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
         bytes += table.len() * 4 + 2 * config.dim * 2 * (block_weights.len() + 1);
@@ -143,24 +144,28 @@ fn load_norm<B: Backend>(backend: &B, file: &ModelFile, name: &str) -> Result<No
 fn linear_transposed<B: Backend>(backend: &B, file: &ModelFile) -> Result<B::Linear> {
     let proj = host_linear(file, "embed_proj")?;
     let (d, r) = (proj.rows, proj.cols);
+    // Linear weights are f16 or quantized (the loader admits nothing else).
+    let quantized = match proj.dtype {
+        DType::F16 => None,
+        _ => Some(proj.to_quantized()?),
+    };
     let mut row = vec![0f32; r];
-    let mut transposed = vec![half::f16::ZERO; r * d];
-    let quantized = proj.dtype.is_quantized().then(|| proj.to_quantized());
-    let values = (proj.dtype == DType::F16).then(|| f16_from_bytes(proj.bytes));
+    let mut bytes = crate::alloc::zeroed(2 * r * d, "the transposed embed_proj")?;
     for i in 0..d {
-        match (&quantized, &values) {
-            (Some(q), _) => q.dequantize_row(i, &mut row),
-            (_, Some(v)) => row
-                .iter_mut()
-                .zip(&v[i * r..(i + 1) * r])
-                .for_each(|(o, x)| *o = x.to_f32()),
-            _ => unreachable!("linear weights are f16 or quantized"),
+        match &quantized {
+            Some(q) => q.dequantize_row(i, &mut row),
+            None => {
+                let values = f16_values(&proj.bytes[2 * i * r..2 * (i + 1) * r]);
+                row.iter_mut()
+                    .zip(values)
+                    .for_each(|(o, x)| *o = x.to_f32());
+            }
         }
         for (j, &x) in row.iter().enumerate() {
-            transposed[j * d + i] = half::f16::from_f32(x);
+            let at = 2 * (j * d + i);
+            bytes[at..at + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
         }
     }
-    let bytes = crate::model::quant::f16_to_bytes(&transposed);
     backend.upload_linear(&HostLinear {
         rows: r,
         cols: d,

@@ -41,7 +41,7 @@ impl CpuLinear {
             }
             return Ok(CpuLinear::Dense { rows, cols, w });
         }
-        let q = host.to_quantized();
+        let q = host.to_quantized()?;
         Ok(CpuLinear::Quantized {
             rows,
             cols,
