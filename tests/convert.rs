@@ -4,13 +4,16 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tinyloop::convert::{convert, ConvertOptions, Method};
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::preset;
 use tinyloop::{Error, Model};
 
-/// A checkpoint of random f32 tensors for `preset_name`, plus its config file.
+/// A checkpoint of random f32 tensors for `preset_name`, plus its config file. Every call
+/// writes new files: the converter maps the checkpoint, so rewriting a file another test has
+/// mapped would fault that test.
 fn checkpoint(preset_name: &str, drop: Option<&str>, extra: Option<&str>) -> (PathBuf, PathBuf) {
     let dir = common::scratch("convert");
     let config = preset(preset_name).unwrap();
@@ -51,10 +54,12 @@ fn checkpoint(preset_name: &str, drop: Option<&str>, extra: Option<&str>) -> (Pa
             )
         })
         .collect();
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
     let tag = format!(
-        "{preset_name}-{}-{}",
+        "{preset_name}-{}-{}-{}",
         drop.unwrap_or(""),
-        extra.unwrap_or("")
+        extra.unwrap_or(""),
+        CALLS.fetch_add(1, Ordering::Relaxed)
     );
     let st = dir.join(format!("{tag}.safetensors"));
     safetensors::serialize_to_file(views, None, &st).unwrap();
