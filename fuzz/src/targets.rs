@@ -42,6 +42,7 @@ pub fn open_decode(bytes: &[u8]) -> Result<Outcome, String> {
         prefill_chunk: 0,
         device: Some(Device::Cpu),
         max_loops: 8,
+        kv_mode: None,
         log: false,
     };
     let opened = Model::open(&path, &options);
