@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tinyloop::convert::{convert, ConvertOptions, Method};
+use tinyloop::convert::{convert, Checkpoint, ConvertOptions, Method};
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::preset;
 use tinyloop::{Error, Model};
@@ -188,4 +188,97 @@ fn converted_model_generates() {
         )
         .unwrap();
     assert_eq!(out.len(), 5);
+}
+
+/// A checkpoint of `preset_name` in memory, every value 0.5 except `value` at element `at` of
+/// tensor `poisoned`.
+fn checkpoint_with(preset_name: &str, poisoned: &str, at: usize, value: f32) -> Vec<u8> {
+    let config = preset(preset_name).unwrap();
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = expected_tensors(&config)
+        .into_iter()
+        .map(|spec| {
+            let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+            let n: usize = shape.iter().product();
+            let bytes = (0..n)
+                .flat_map(|i| {
+                    let v = if spec.name == poisoned && i == at {
+                        value
+                    } else {
+                        0.5
+                    };
+                    v.to_le_bytes()
+                })
+                .collect();
+            (spec.name, shape, bytes)
+        })
+        .collect();
+    let views = data.iter().map(|(name, shape, bytes)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+        (name.as_str(), view.unwrap())
+    });
+    safetensors::serialize(views, None).unwrap()
+}
+
+#[test]
+fn non_finite_checkpoint_values_are_named() {
+    let config = preset("tiny").unwrap();
+    for (value, expected) in [
+        (f32::NAN, "tensor final_norm: element 5 is NaN"),
+        (f32::INFINITY, "tensor final_norm: element 5 is inf"),
+    ] {
+        let bytes = checkpoint_with("tiny", "final_norm", 5, value);
+        let err = Checkpoint::parse(&bytes, &config).err().expect("accepted");
+        assert!(
+            matches!(&err, Error::Format(m) if m.contains(expected)),
+            "{err}"
+        );
+    }
+    let err = Checkpoint::parse(b"not a checkpoint", &config)
+        .err()
+        .expect("accepted");
+    assert!(
+        matches!(&err, Error::Format(m) if m.contains("safetensors")),
+        "{err}"
+    );
+}
+
+#[test]
+fn values_outside_the_f16_range_are_named() {
+    let dir = common::scratch("convert");
+    let (st, cfg) = (dir.join("big.safetensors"), dir.join("big.json"));
+    std::fs::write(&st, checkpoint_with("tiny", "embed", 7, 1e6)).unwrap();
+    std::fs::write(
+        &cfg,
+        serde_json::to_string(&preset("tiny").unwrap()).unwrap(),
+    )
+    .unwrap();
+    let err = convert(&options(st, cfg, 4, Method::Rtn, "big.tinyloop")).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("tensor embed: element 7 (1000000) is outside the f16 range"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unsupported_group_sizes_and_windows_are_named() {
+    let (st, cfg) = checkpoint("tiny", None, None);
+    let mut opts = options(st, cfg, 4, Method::Rtn, "group.tinyloop");
+    opts.group_size = 3;
+    let err = convert(&opts).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("tensor pre.0.attn_qkv: group_size 3 is not a positive multiple of 2"),
+        "{err}"
+    );
+    opts.group_size = 32;
+    opts.method = Method::Gptq;
+    opts.window = 4096;
+    let err = convert(&opts).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("calibration window 4096 exceeds the model's max_position 2048"),
+        "{err}"
+    );
 }
