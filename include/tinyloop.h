@@ -62,8 +62,10 @@ typedef struct tl_session tl_session;
 
 // Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
 typedef struct tl_model_params {
-    // `sizeof(tl_model_params)`; set by `tl_model_default_params`. Smaller values are rejected
-    // (`TL_ERR_INVALID_ARGUMENT`); larger values are accepted and the extra bytes ignored.
+    // `sizeof(tl_model_params)`; set by `tl_model_default_params`. The size of this struct in
+    // an earlier version of this header is accepted too (the fields added since take their
+    // defaults); other smaller values are rejected (`TL_ERR_INVALID_ARGUMENT`); larger values
+    // are accepted and the extra bytes ignored.
     size_t struct_size;
     // Upper bound on prompt + generated tokens of one sequence. Must be > 0. Default 2048.
     uint32_t max_seq_len;
