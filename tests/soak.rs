@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use tinyloop::ffi::*;
 use tinyloop::model::synth::{preset, random_model};
-use tinyloop::Device;
+use tinyloop::{Device, ModelConfig};
 
 const RSS_TOLERANCE: usize = 1 << 20;
 const DEVICE_TOLERANCE: usize = 16 << 20;
@@ -69,7 +69,12 @@ fn model_file() -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny.tinyloop");
     if !path.exists() {
-        random_model(&preset("tiny").unwrap(), 7, 4, 32)
+        // default_loops may not exceed the max_loops the soak opens with.
+        let config = ModelConfig {
+            default_loops: LOOPS as usize,
+            ..preset("tiny").unwrap()
+        };
+        random_model(&config, 7, 4, 32)
             .unwrap()
             .write(&path)
             .unwrap();
