@@ -44,11 +44,16 @@ impl TinyloopFile {
     /// Recompute the checksum of every tensor whose range lies inside the data section.
     pub fn fix_checksums(&mut self) {
         let data = &self.data;
-        let Some(tensors) = self.header["tensors"].as_array_mut() else {
+        // Mutations can turn the header or any entry into a non-object: indexing a JSON value
+        // for writing would panic on those, so only objects are touched.
+        let Some(tensors) = self.header.get_mut("tensors").and_then(Value::as_array_mut) else {
             return;
         };
-        for t in tensors {
-            let (Some(offset), Some(length)) = (t["offset"].as_u64(), t["length"].as_u64()) else {
+        for t in tensors.iter_mut().filter_map(Value::as_object_mut) {
+            let (Some(offset), Some(length)) = (
+                t.get("offset").and_then(Value::as_u64),
+                t.get("length").and_then(Value::as_u64),
+            ) else {
                 continue;
             };
             let range = usize::try_from(offset)
@@ -56,7 +61,7 @@ impl TinyloopFile {
                 .zip(usize::try_from(length).ok())
                 .and_then(|(o, l)| Some(o..o.checked_add(l)?));
             if let Some(bytes) = range.and_then(|r| data.get(r)) {
-                t["crc32"] = crc32fast::hash(bytes).into();
+                t.insert("crc32".into(), crc32fast::hash(bytes).into());
             }
         }
     }
@@ -95,5 +100,36 @@ impl SafetensorsFile {
         out.extend(&json);
         out.extend(&self.data);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(header: Value) -> TinyloopFile {
+        TinyloopFile {
+            preamble: [0; 16],
+            header,
+            data: vec![1, 2, 3, 4],
+        }
+    }
+
+    #[test]
+    fn checksums_are_fixed_in_objects_and_other_values_are_left_alone() {
+        for header in [
+            serde_json::json!(5),
+            serde_json::json!({"tensors": 5}),
+            serde_json::json!({"tensors": [1, "x", null]}),
+        ] {
+            let mut f = file(header.clone());
+            f.fix_checksums();
+            assert_eq!(f.header, header);
+        }
+        let mut f = file(serde_json::json!({"tensors": [7, {"offset": 1, "length": 2}]}));
+        f.fix_checksums();
+        let expected = u64::from(crc32fast::hash(&[2, 3]));
+        assert_eq!(f.header["tensors"][1]["crc32"], expected);
+        assert_eq!(f.header["tensors"][0], 7);
     }
 }
