@@ -129,6 +129,8 @@ def test_bound_handles_are_released_with_their_model(model_path):
     m.close()
     with pytest.raises(tinyloop_py.ClosedError, match="whose model was closed"):
         s.generate(PROMPT, max_tokens=4, prefix_cache=cache)
+    with pytest.raises(tinyloop_py.ClosedError, match=r"^generate_stream\(\) called with a prefix"):
+        list(s.generate_stream(PROMPT, max_tokens=4, prefix_cache=cache))
     with pytest.raises(tinyloop_py.ClosedError, match="resume handle"):
         s.resume_generate(handle, max_tokens=4)
     with pytest.raises(tinyloop_py.ClosedError):

@@ -203,6 +203,7 @@ class _Call:
                     f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}"
                 )
             p.prefix_cache = prefix_cache._pointer("generate")
+        self.prefix_cache = prefix_cache
         self.params = p
 
     def args(self):
@@ -400,6 +401,8 @@ class _Runner:
                         f"generate_stream() interrupted: the {self._what} was closed",
                         _c.TL_ERR_CLOSED,
                     )
+                if status == _c.TL_ERR_CLOSED and call.prefix_cache is not None:
+                    raise call.prefix_cache._released("generate_stream")
                 _check(status, "generate_stream", self._what)
             except BaseException as e:  # handed to the consumer
                 failure.append(e)
