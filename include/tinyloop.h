@@ -18,6 +18,9 @@
 // Value of a `loops` argument or field that selects the model's `default_loops`.
 #define TL_LOOPS_DEFAULT -1
 
+// The largest `tl_speculative_params.draft_len`.
+#define TL_MAX_DRAFT_LEN 15
+
 // Result of every fallible function. `TL_OK` is 0; every other value is a failure whose
 // message `tl_last_error_message()` returns on the same thread.
 //
@@ -55,6 +58,17 @@ typedef enum tl_status {
 // the library looks up, not an address: never dereference it.
 typedef struct tl_model tl_model;
 
+// The KV entries of a prefix at one loop count, for generation after it on any session of its
+// model (`tl_generate_params.prefix_cache`). Opaque; created by `tl_prefix_cache_new`, freed
+// by `tl_prefix_cache_free` or with its model by `tl_close`. A handle is a value the library
+// looks up, not an address.
+typedef struct tl_prefix_cache tl_prefix_cache;
+
+// A prompt run at one loop count, for `tl_resume_generate` at any loop count on any session
+// of its model. Opaque; created by `tl_resume_handle_new`, freed by `tl_resume_handle_free` or
+// with its model by `tl_close`. A handle is a value the library looks up, not an address.
+typedef struct tl_resume_handle tl_resume_handle;
+
 // A session: runtime buffers and KV cache of one sequence over a model's shared weights.
 // Opaque; created by `tl_session_new`, freed by `tl_session_free`. Like `tl_model`, a handle
 // is a value the library looks up, not an address.
@@ -88,8 +102,10 @@ typedef struct tl_model_params {
 
 // Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
 typedef struct tl_generate_params {
-    // `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. Smaller values are
-    // rejected; larger values are accepted and the extra bytes ignored.
+    // `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. The size of this
+    // struct in an earlier version of this header is accepted too (the fields added since take
+    // their defaults); other smaller values are rejected; larger values are accepted and the
+    // extra bytes ignored.
     size_t struct_size;
     // Tokens to generate, >= 1. Default 128. The output buffer must hold this many.
     uint32_t max_tokens;
@@ -111,7 +127,29 @@ typedef struct tl_generate_params {
     const int32_t *stop_tokens;
     // Number of entries in `stop_tokens`. Default 0.
     size_t n_stop_tokens;
+    // Generate after the prefix held by this cache (from `tl_prefix_cache_new` on the same
+    // model, built at the same loops): the same tokens as generating from the prefix followed
+    // by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
+    // and their session forms; the other generation functions reject a non-NULL value.
+    const struct tl_prefix_cache *prefix_cache;
 } tl_generate_params;
+
+// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
+// `draft_loops`.
+typedef struct tl_speculative_params {
+    // `sizeof(tl_speculative_params)`; set by `tl_speculative_default_params`. Smaller values
+    // are rejected; larger values are accepted and the extra bytes ignored.
+    size_t struct_size;
+    // Loop iterations of the draft steps, 1..verify_loops-1 (the verify loops are
+    // `tl_generate_params.loops`). No default: 0, which is rejected, until set.
+    uint32_t draft_loops;
+    // Tokens drafted per round, 1..=TL_MAX_DRAFT_LEN. Default 4.
+    uint32_t draft_len;
+    // Verify from the draft's KV entries and hidden state (true, the default), or recompute
+    // every block application in the verify pass (false: the baseline without reuse). The
+    // tokens are the same either way.
+    bool reuse;
+} tl_speculative_params;
 
 // Static architecture of a model, filled by `tl_model_config`.
 typedef struct tl_config {
@@ -146,6 +184,45 @@ typedef struct tl_config {
 // continue, false to stop generation (the call then returns TL_OK).
 typedef bool (*tl_token_callback)(int32_t token, void *user_data);
 
+// One loop iteration of the last position, as `tl_score_trajectory` reports it.
+typedef struct tl_trajectory_point {
+    // L2 norm of the residual stream after the iteration.
+    double hidden_norm;
+    // ||h_i - h_{i-1}|| / ||h_{i-1}|| (h_0: the stream entering the loop).
+    double rel_change;
+    // KL(p_i || p_{i-1}) in nats between the next-token distributions read out after this
+    // iteration and the one before; 0 for the first.
+    double kl_prev;
+    // Entropy of p_i in bits.
+    double entropy;
+    // The most likely token of p_i.
+    int32_t argmax;
+} tl_trajectory_point;
+
+// What the last successful generation call on a model's default session or a session did,
+// filled by `tl_last_generate_stats`.
+typedef struct tl_generate_stats {
+    // Set to `sizeof(tl_generate_stats)` by the caller before `tl_last_generate_stats`. Fields
+    // may be added at the end in later versions; the size of this struct in any earlier
+    // version of this header stays accepted (the library then writes only those fields).
+    size_t struct_size;
+    // Tokens returned.
+    size_t tokens;
+    // Milliseconds from the call's start to the first token (prefill, or restoring a handle).
+    double prefill_ms;
+    // Milliseconds from the first token to the end.
+    double decode_ms;
+    // Speculative calls: tokens drafted.
+    size_t drafted;
+    // Speculative calls: drafted tokens the verify pass accepted.
+    size_t accepted;
+    // `accepted / drafted` (0 without drafts).
+    double acceptance_rate;
+    // The share of drafted positions where the draft's argmax equals the verify pass's (0
+    // without drafts).
+    double agreement;
+} tl_generate_stats;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -178,7 +255,7 @@ const char *tl_last_error_message(void);
 enum tl_status tl_model_default_params(struct tl_model_params *params);
 
 // Fill `*params` with the defaults of this library version (including `struct_size`): greedy,
-// max_tokens 128, loops TL_LOOPS_DEFAULT, no stop tokens.
+// max_tokens 128, loops TL_LOOPS_DEFAULT, no stop tokens, no prefix cache.
 //
 // Ownership: the caller owns `*params` and the stop-token array it may point to later.
 // Threads: any thread.
@@ -186,6 +263,15 @@ enum tl_status tl_model_default_params(struct tl_model_params *params);
 // # Safety
 // `params` must be NULL or valid for a write of `tl_generate_params`.
 enum tl_status tl_generate_default_params(struct tl_generate_params *params);
+
+// Fill `*params` with the defaults of this library version (including `struct_size`):
+// draft_len 4, reuse true, and draft_loops 0, which the caller must set.
+//
+// Ownership: the caller owns `*params`. Threads: any thread.
+//
+// # Safety
+// `params` must be NULL or valid for a write of `tl_speculative_params`.
+enum tl_status tl_speculative_default_params(struct tl_speculative_params *params);
 
 // Open and validate a `.tinyloop` file and load its weights onto the chosen device; creates the
 // model's default session (buffers sized by `params`). `params` may be NULL for defaults.
@@ -206,7 +292,9 @@ enum tl_status tl_generate_default_params(struct tl_generate_params *params);
 enum tl_status tl_model_open(const char *path, const struct tl_model_params *params, struct tl_model **out_model);
 
 // Close the model and release everything `tl_model_open` allocated: the weights (unless
-// sessions still use them), the default session and the handle. From the moment it starts,
+// sessions still use them), the default session and the handle; and the prefix caches and
+// resume handles built on the model, whose handles are retired (every later use is
+// `TL_ERR_CLOSED`, their free functions no-ops). From the moment it starts,
 // every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
 // the default session in another thread is cancelled and awaited (a score call is awaited).
 // Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
@@ -242,7 +330,7 @@ enum tl_status tl_cancel(const struct tl_model *model);
 // Threads: any thread, concurrently with other calls.
 //
 // # Safety
-// `config` must be NULL or valid for reads and writes of `tl_config`.
+// `config` must be NULL or valid for reads and writes of its `struct_size` bytes.
 enum tl_status tl_model_config(const struct tl_model *model, struct tl_config *config);
 
 // Device memory held by the model's weights and all of its live sessions (buffers and KV
@@ -275,71 +363,13 @@ enum tl_status tl_model_device(const struct tl_model *model, char *out, size_t c
 // `out` must be valid for `cap` bytes; `len` for one write.
 enum tl_status tl_model_kv_mode(const struct tl_model *model, char *out, size_t cap, size_t *len);
 
-// Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
-// model's default session (greedy by default; `params` NULL = defaults). On success the new
-// tokens (stop token excluded) are in `out[0..*len]`. `cap` must be >= max_tokens, else
-// `TL_ERR_BUFFER_TOO_SMALL` with `*len = max_tokens` before any work.
-//
-// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, empty prompt, negative token or token >=
-// vocab_size, bad params, prompt + max_tokens > max_seq_len), `TL_ERR_BUSY` (another call on
-// this model is running), `TL_ERR_CANCELLED` (`tl_cancel`), `TL_ERR_CLOSED`.
-//
-// Ownership: the caller owns all buffers; nothing is retained after the call.
-// Threads: any thread; one call at a time per model (use sessions for concurrency).
-//
-// # Safety
-// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
-// `out` valid for `cap` writes; `len` for one write.
-enum tl_status tl_generate(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
-
-// Like `tl_generate`, but calls `callback(token, user_data)` on the calling thread for each
-// new token as soon as it exists; returning false stops generation early (TL_OK). Tokens
-// already delivered stay delivered when the call later fails (e.g. `TL_ERR_CANCELLED`).
-// The callback may call `tl_cancel`; any other call on this model from inside it returns
-// `TL_ERR_BUSY`.
-//
-// Ownership: `user_data` is passed through untouched. Threads: as `tl_generate`.
-//
-// # Safety
-// As `tl_generate`; `callback` must be safe to call with `user_data` during the call.
-enum tl_status tl_generate_stream(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, tl_token_callback callback, void *user_data);
-
-// Logits `[vocab_size]` at the last position of `tokens[0..n_tokens]`, run at `loops`
-// iterations (TL_LOOPS_DEFAULT = model default), into `out[0..*len]`. `cap` must be >=
-// vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with `*len = vocab_size`. With prefill_chunk > 0,
-// n_tokens must be <= prefill_chunk.
-//
-// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-//
-// # Safety
-// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
-enum tl_status tl_score_last(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
-
-// Logits `[n_tokens, vocab_size]` (row-major) for every position of `tokens`, on the model's
-// default session, into `out[0..*len]`; `cap` must be >= n_tokens * vocab_size, else
-// `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`.
-//
-// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-//
-// # Safety
-// As `tl_score_last`.
-enum tl_status tl_score(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
-
-// `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1 on the model's default session,
-// into `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
-//
-// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-//
-// # Safety
-// As `tl_score_last`.
-enum tl_status tl_logprobs(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
-
 // Create a session (its own buffers and KV cache) over the model's weights; on success
 // `*out_session` receives it. Sessions are independent of each other and of the model's
 // default session, so N threads with N sessions run concurrently over one copy of the weights.
 //
 // Ownership: the caller owns the session and frees it with `tl_session_free`; it keeps the
-// weights alive even after `tl_close` / `tl_model_free` of the model. Threads: any thread,
+// weights alive even after `tl_close` / `tl_model_free` of the model (but prefix caches and
+// resume handles can then no longer be built on it, or used). Threads: any thread,
 // concurrently with other calls on the model.
 //
 // # Safety
@@ -366,6 +396,25 @@ void tl_session_free(struct tl_session *session);
 // callback).
 enum tl_status tl_session_cancel(const struct tl_session *session);
 
+// Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
+// model's default session (greedy by default; `params` NULL = defaults), after the prefix of
+// `params->prefix_cache` when it is set. On success the new tokens (stop token excluded) are
+// in `out[0..*len]`. `cap` must be >= max_tokens, else `TL_ERR_BUFFER_TOO_SMALL` with `*len =
+// max_tokens` before any work.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, empty prompt, negative token or token >=
+// vocab_size, bad params, prompt + max_tokens (+ the prefix) > max_seq_len, a prefix cache of
+// another model or built at other loops), `TL_ERR_BUSY` (another call on this model is
+// running), `TL_ERR_CANCELLED` (`tl_cancel`), `TL_ERR_CLOSED` (the model, or the prefix cache).
+//
+// Ownership: the caller owns all buffers; nothing is retained after the call.
+// Threads: any thread; one call at a time per model (use sessions for concurrency).
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
+// `out` valid for `cap` writes; `len` for one write.
+enum tl_status tl_generate(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
+
 // `tl_generate` on a session: up to `params->max_tokens` new tokens after the prompt into
 // `out[0..*len]` (`cap` >= max_tokens, else `TL_ERR_BUFFER_TOO_SMALL` with `*len =
 // max_tokens`). `TL_ERR_BUSY` when another call on this session is running.
@@ -375,6 +424,18 @@ enum tl_status tl_session_cancel(const struct tl_session *session);
 // # Safety
 // Pointers other than `session` as `tl_generate`.
 enum tl_status tl_session_generate(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
+
+// Like `tl_generate`, but calls `callback(token, user_data)` on the calling thread for each
+// new token as soon as it exists; returning false stops generation early (TL_OK). Tokens
+// already delivered stay delivered when the call later fails (e.g. `TL_ERR_CANCELLED`).
+// The callback may call `tl_cancel`; any other call on this model from inside it returns
+// `TL_ERR_BUSY`.
+//
+// Ownership: `user_data` is passed through untouched. Threads: as `tl_generate`.
+//
+// # Safety
+// As `tl_generate`; `callback` must be safe to call with `user_data` during the call.
+enum tl_status tl_generate_stream(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, tl_token_callback callback, void *user_data);
 
 // `tl_generate_stream` on a session: `callback(token, user_data)` per new token on the calling
 // thread; false stops early (TL_OK). The callback may call `tl_session_cancel`; any other call
@@ -387,6 +448,17 @@ enum tl_status tl_session_generate(const struct tl_session *session, const int32
 // Arguments other than `session` as `tl_generate_stream`.
 enum tl_status tl_session_generate_stream(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, tl_token_callback callback, void *user_data);
 
+// Logits `[vocab_size]` at the last position of `tokens[0..n_tokens]`, run at `loops`
+// iterations (TL_LOOPS_DEFAULT = model default), into `out[0..*len]`. `cap` must be >=
+// vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with `*len = vocab_size`. With prefill_chunk > 0,
+// n_tokens must be <= prefill_chunk.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
+enum tl_status tl_score_last(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
 // `tl_score_last` on a session: logits `[vocab_size]` at the last position into
 // `out[0..*len]`.
 //
@@ -395,6 +467,16 @@ enum tl_status tl_session_generate_stream(const struct tl_session *session, cons
 // # Safety
 // Pointers other than `session` as `tl_score_last`.
 enum tl_status tl_session_score_last(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// Logits `[n_tokens, vocab_size]` (row-major) for every position of `tokens`, on the model's
+// default session, into `out[0..*len]`; `cap` must be >= n_tokens * vocab_size, else
+// `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// As `tl_score_last`.
+enum tl_status tl_score(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
 // Logits `[n_tokens, vocab_size]` (row-major) for every position, into `out[0..*len]`; `cap`
 // must be >= n_tokens * vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`.
@@ -405,6 +487,15 @@ enum tl_status tl_session_score_last(const struct tl_session *session, const int
 // `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 enum tl_status tl_session_score(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
+// `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1 on the model's default session,
+// into `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// As `tl_score_last`.
+enum tl_status tl_logprobs(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
 // `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1, into `out[0..*len]` (n_tokens
 // >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
 //
@@ -413,6 +504,209 @@ enum tl_status tl_session_score(const struct tl_session *session, const int32_t 
 // # Safety
 // As `tl_session_score`.
 enum tl_status tl_session_logprobs(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// Build a prefix cache: run `tokens[0..n_tokens]` at `loops` (TL_LOOPS_DEFAULT = model
+// default) on the model's default session and keep its KV entries. On success `*out_cache`
+// receives the handle. Generation with it (`tl_generate_params.prefix_cache`) on any session
+// of this model, at the same loops, gives the same tokens as generating from the prefix
+// followed by the prompt; many sessions may use one cache at once. Its bytes count in
+// `tl_vram_usage_mb` until it is freed.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, empty or bad tokens, loops out of range, a prefix
+// that leaves no room in max_seq_len, KV mode "age", whose entries move between tiers),
+// `TL_ERR_BUSY`, `TL_ERR_CANCELLED` (`tl_cancel`), `TL_ERR_CLOSED`, `TL_ERR_OUT_OF_MEMORY`.
+//
+// Ownership: the caller owns the new handle and frees it with `tl_prefix_cache_free`;
+// `tl_close` of the model also releases it (the handle is then retired). Threads: any thread;
+// one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out_cache` NULL or valid for a write.
+enum tl_status tl_prefix_cache_new(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_prefix_cache **out_cache);
+
+// `tl_prefix_cache_new` on a session: the cache is built with this session's buffers and
+// belongs to the model handle the session was made from (`TL_ERR_CLOSED` once that is closed).
+//
+// Ownership: as `tl_prefix_cache_new`. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_prefix_cache_new`.
+enum tl_status tl_session_prefix_cache_new(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_prefix_cache **out_cache);
+
+// Free a prefix cache: its handle is retired and its memory released once no call uses it
+// (a call running with it in another thread finishes normally). NULL, a freed cache and a
+// cache whose model was closed are accepted (no-op), so freeing twice is harmless; a value
+// that is not a prefix cache handle only sets the last error.
+//
+// Ownership: takes back the handle from `tl_prefix_cache_new`; afterwards every use of it is
+// `TL_ERR_CLOSED` (handle values are never reused). Threads: any thread, any time.
+void tl_prefix_cache_free(struct tl_prefix_cache *cache);
+
+// Device memory held by a prefix cache, in MB (10^6 bytes), written to `*out_mb` (it is part
+// of its model's `tl_vram_usage_mb`).
+//
+// Ownership: none. Threads: any thread, concurrently with calls using the cache.
+//
+// # Safety
+// `out_mb` must be NULL or valid for a write.
+enum tl_status tl_prefix_cache_memory_mb(const struct tl_prefix_cache *cache, double *out_mb);
+
+// Build a resume handle: run the prompt `tokens[0..n_tokens]` at `loops` (TL_LOOPS_DEFAULT =
+// model default) on the model's default session and keep what `tl_resume_generate` needs to
+// generate after it at any loop count (the pre blocks' KV entries and the residual streams
+// after every iteration). The prompt runs as one step, so with prefill_chunk > 0 it must fit
+// the chunk. On success `*out_handle` receives the handle; its bytes count in
+// `tl_vram_usage_mb` until it is freed.
+//
+// Failures: as `tl_prefix_cache_new`.
+//
+// Ownership: the caller owns the new handle and frees it with `tl_resume_handle_free`;
+// `tl_close` of the model also releases it (the handle is then retired). Threads: any thread;
+// one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out_handle` NULL or valid for a write.
+enum tl_status tl_resume_handle_new(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_resume_handle **out_handle);
+
+// `tl_resume_handle_new` on a session: the handle is built with this session's buffers and
+// belongs to the model handle the session was made from (`TL_ERR_CLOSED` once that is closed).
+//
+// Ownership: as `tl_resume_handle_new`. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_resume_handle_new`.
+enum tl_status tl_session_resume_handle_new(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_resume_handle **out_handle);
+
+// Free a resume handle; as `tl_prefix_cache_free` (NULL, freed and retired handles: no-op).
+//
+// Ownership: takes back the handle from `tl_resume_handle_new`. Threads: any thread, any time.
+void tl_resume_handle_free(struct tl_resume_handle *handle);
+
+// Device memory held by a resume handle, in MB (10^6 bytes), written to `*out_mb` (it is part
+// of its model's `tl_vram_usage_mb`).
+//
+// Ownership: none. Threads: any thread, concurrently with calls using the handle.
+//
+// # Safety
+// `out_mb` must be NULL or valid for a write.
+enum tl_status tl_resume_handle_memory_mb(const struct tl_resume_handle *handle, double *out_mb);
+
+// The logit lens: logits `[loops, vocab_size]` (row-major) at the last position of
+// `tokens[0..n_tokens]`, read out after each of the `loops` iterations (TL_LOOPS_DEFAULT: the
+// model's default_loops) through the post blocks, the final norm and the head, into
+// `out[0..*len]`. Row L (1-based) equals `tl_score_last` at L loops, and the first L' rows at
+// `loops` are the rows at L'. `cap` must be >= loops * vocab_size, else
+// `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`. With prefill_chunk > 0, n_tokens must
+// be <= prefill_chunk.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
+enum tl_status tl_score_logit_lens(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// `tl_score_logit_lens` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_score_logit_lens`.
+enum tl_status tl_session_score_logit_lens(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// The trajectory of the last position of `tokens[0..n_tokens]` through the loop iterations:
+// one `tl_trajectory_point` per iteration (hidden norm, relative change, KL to the previous
+// iteration, entropy, argmax; DESIGN.md §6) into `out[0..*len]`, `loops` points
+// (TL_LOOPS_DEFAULT: default_loops). `cap` must be >= loops, else `TL_ERR_BUFFER_TOO_SMALL`
+// with `*len = loops`. The first L' points at `loops` are the points at L'.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
+enum tl_status tl_score_trajectory(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_trajectory_point *out, size_t cap, size_t *len);
+
+// `tl_score_trajectory` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_score_trajectory`.
+enum tl_status tl_session_score_trajectory(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, struct tl_trajectory_point *out, size_t cap, size_t *len);
+
+// Self-speculative generation: up to `params->max_tokens` tokens after the prompt, drafted
+// `spec->draft_len` at a time at `spec->draft_loops` iterations and verified in one pass at
+// `params->loops` (the verify loops; TL_LOOPS_DEFAULT: default_loops), into `out[0..*len]`.
+// Greedy output equals `tl_generate` at the verify loops; sampled output is distributed as
+// plain sampling there (draft tokens accepted with probability min(1, p/q), else resampled
+// from max(0, p - q)). With `spec->reuse` the verify pass continues from the draft's KV
+// entries and hidden state; without it, it recomputes every block application (the baseline).
+// `params` and `spec` NULL mean the defaults (and the default spec's draft_loops 0 is
+// rejected). Acceptance statistics: `tl_last_generate_stats`. `cap` must be >= max_tokens.
+//
+// Failures: as `tl_generate`, and `TL_ERR_INVALID_ARGUMENT` for draft_loops outside
+// 1..verify_loops-1, draft_len outside 1..=TL_MAX_DRAFT_LEN, or a `params->prefix_cache`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// As `tl_generate`; `spec` NULL or from `tl_speculative_default_params`.
+enum tl_status tl_generate_speculative(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, const struct tl_speculative_params *spec, int32_t *out, size_t cap, size_t *len);
+
+// `tl_generate_speculative` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_generate_speculative`.
+enum tl_status tl_session_generate_speculative(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, const struct tl_speculative_params *spec, int32_t *out, size_t cap, size_t *len);
+
+// Generate after the prompt of a resume handle at `params->loops` (the new depth;
+// TL_LOOPS_DEFAULT: default_loops), into `out[0..*len]`: the same tokens as `tl_generate` from
+// that prompt at those loops, for loops above and below the handle's, keeping the pre blocks
+// and the iterations the handle already ran (up to the smaller loop count). The handle is
+// only read: it may be resumed any number of times, by any session of its model, also at once.
+// `cap` must be >= max_tokens.
+//
+// Failures: as `tl_generate` (loops above max_loops included), and `TL_ERR_INVALID_ARGUMENT`
+// for NULL `handle`, a handle of another model or a `params->prefix_cache`; `TL_ERR_CLOSED`
+// for a freed handle or one whose model was closed.
+//
+// Ownership: the caller owns all buffers; the handle stays the caller's. Threads: any thread;
+// one call at a time per model.
+//
+// # Safety
+// As `tl_generate`.
+enum tl_status tl_resume_generate(const struct tl_model *model, const struct tl_resume_handle *handle, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
+
+// `tl_resume_generate` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_resume_generate`.
+enum tl_status tl_session_resume_generate(const struct tl_session *session, const struct tl_resume_handle *handle, const struct tl_generate_params *params, int32_t *out, size_t cap, size_t *len);
+
+// What the last successful generation call on the model's default session did (any of the
+// generate, speculative and resume functions): tokens returned, prefill and decode times, and
+// for speculative calls the drafted and accepted tokens, the acceptance rate and the draft /
+// verify argmax agreement. All zero before the first one. The caller sets
+// `out->struct_size = sizeof(tl_generate_stats)` first.
+//
+// Ownership: the caller owns `*out`. Threads: any thread; `TL_ERR_BUSY` while a call is
+// running on the model's default session.
+//
+// # Safety
+// `out` must be NULL or valid for reads and writes of its `struct_size` bytes.
+enum tl_status tl_last_generate_stats(const struct tl_model *model, struct tl_generate_stats *out);
+
+// `tl_last_generate_stats` of a session.
+//
+// Ownership: the caller owns `*out`. Threads: any thread; `TL_ERR_BUSY` while a call is
+// running on the session.
+//
+// # Safety
+// As `tl_last_generate_stats`.
+enum tl_status tl_session_last_generate_stats(const struct tl_session *session, struct tl_generate_stats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

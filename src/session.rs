@@ -396,6 +396,11 @@ impl Session {
         for (i, &t) in tokens.iter().enumerate() {
             self.check_token(t, &format!("token {i}:"))?;
         }
+        self.resolve_loops(loops)
+    }
+
+    /// The loop count of a call: `loops`, or the model's default; in 1..=max_loops.
+    pub(crate) fn resolve_loops(&self, loops: Option<usize>) -> Result<usize> {
         let loops = loops.unwrap_or(self.config().default_loops);
         let max_loops = self.shared.options.max_loops;
         if loops == 0 || loops > max_loops {

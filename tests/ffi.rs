@@ -754,3 +754,449 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
         }
     }
 }
+
+/// `tl_generate_params` of the header's first version (without `prefix_cache`) is still
+/// accepted; a size that is no version's is refused.
+#[test]
+fn generate_params_of_an_earlier_header_version_are_accepted() {
+    let model = open(&model_file("tiny"), 128);
+    let mut p = gen_params(6);
+    let (status, expected) = generate(&model, &PROMPT, &p);
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    // A v1 caller's struct ends before prefix_cache: whatever lies there must not be read.
+    p.prefix_cache = std::ptr::without_provenance(usize::MAX);
+    p.struct_size = std::mem::offset_of!(tl_generate_params, prefix_cache);
+    assert_eq!(generate(&model, &PROMPT, &p), (tl_status::TL_OK, expected));
+    p.struct_size += 4;
+    let (status, _) = generate(&model, &PROMPT, &p);
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("tl_generate_params.struct_size"));
+}
+
+fn spec_params(draft_loops: u32, draft_len: u32, reuse: bool) -> tl_speculative_params {
+    let mut p = std::mem::MaybeUninit::<tl_speculative_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_speculative_default_params(p.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized above.
+    let mut p = unsafe { p.assume_init() };
+    (p.draft_loops, p.draft_len, p.reuse) = (draft_loops, draft_len, reuse);
+    p
+}
+
+fn stats(model: &Handle) -> tl_generate_stats {
+    let mut s = std::mem::MaybeUninit::<tl_generate_stats>::zeroed();
+    // SAFETY: zeroed is a valid tl_generate_stats.
+    let mut s = unsafe { s.assume_init_mut() }.to_owned();
+    s.struct_size = std::mem::size_of::<tl_generate_stats>();
+    // SAFETY: a valid out-struct.
+    let status = unsafe { tl_last_generate_stats(model.0, &mut s) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    s
+}
+
+/// The looped-model calls through the C ABI return what the Rust API returns: the same
+/// computations on the same device, so the comparisons are exact.
+#[test]
+fn looped_calls_equal_the_rust_api() {
+    let path = model_file("tiny");
+    let model = open(&path, 128);
+    let rust = rust_model(&path);
+    let mut session = rust.new_session().unwrap();
+    let prompt_u32: Vec<u32> = PROMPT.iter().map(|&t| t as u32).collect();
+    let vocab = rust.config().vocab_size;
+    let as_i32 = |v: Vec<u32>| v.into_iter().map(|t| t as i32).collect::<Vec<_>>();
+
+    let mut lens = vec![0f32; 5 * vocab];
+    let mut len = 0;
+    // SAFETY: valid buffers.
+    let status = unsafe {
+        tl_score_logit_lens(
+            model.0,
+            PROMPT.as_ptr(),
+            PROMPT.len(),
+            5,
+            lens.as_mut_ptr(),
+            lens.len(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!(
+        lens,
+        session.score_logit_lens(&prompt_u32, Some(5)).unwrap()
+    );
+
+    let mut points = vec![
+        tl_trajectory_point {
+            hidden_norm: 0.0,
+            rel_change: 0.0,
+            kl_prev: 0.0,
+            entropy: 0.0,
+            argmax: -1,
+        };
+        5
+    ];
+    // SAFETY: valid buffers.
+    let status = unsafe {
+        tl_score_trajectory(
+            model.0,
+            PROMPT.as_ptr(),
+            PROMPT.len(),
+            5,
+            points.as_mut_ptr(),
+            points.len(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let expected = session.score_trajectory(&prompt_u32, Some(5)).unwrap();
+    let expected: Vec<tl_trajectory_point> = expected.iter().map(Into::into).collect();
+    assert_eq!(points, expected);
+
+    let mut p = gen_params(20);
+    p.loops = 4;
+    let spec = spec_params(2, 3, true);
+    let mut out = vec![0i32; 20];
+    // SAFETY: valid buffers and params.
+    let status = unsafe {
+        tl_generate_speculative(
+            model.0,
+            PROMPT.as_ptr(),
+            PROMPT.len(),
+            &p,
+            &spec,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    out.truncate(len);
+    let params = GenerateParams {
+        max_tokens: 20,
+        loops: Some(4),
+        ..GenerateParams::default()
+    };
+    let speculation = tinyloop::Speculation {
+        draft_loops: 2,
+        draft_len: 3,
+        reuse: true,
+    };
+    let expected = session
+        .generate_speculative(&prompt_u32, &params, &speculation, &mut |_| true)
+        .unwrap();
+    assert_eq!(out, as_i32(expected));
+    let (c, r) = (stats(&model), session.last_generate_stats());
+    assert_eq!(
+        (c.tokens, c.drafted, c.accepted),
+        (r.tokens, r.drafted, r.accepted)
+    );
+    assert_eq!(
+        (c.acceptance_rate, c.agreement),
+        (r.acceptance_rate(), r.agreement())
+    );
+
+    let mut handle = ptr::null_mut();
+    // SAFETY: valid tokens and out-pointer.
+    let status =
+        unsafe { tl_resume_handle_new(model.0, PROMPT.as_ptr(), PROMPT.len(), 2, &mut handle) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let mut resumed = vec![0i32; 20];
+    // SAFETY: a live handle, valid buffers and params.
+    let status = unsafe {
+        tl_resume_generate(
+            model.0,
+            handle,
+            &p,
+            resumed.as_mut_ptr(),
+            resumed.len(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    resumed.truncate(len);
+    assert_eq!(
+        resumed,
+        as_i32(session.generate(&prompt_u32, &params).unwrap())
+    );
+    tl_resume_handle_free(handle);
+}
+
+/// A stats struct of an earlier size than this header's would be accepted once fields are
+/// added; today only the full size and larger ones are, and larger ones keep their extra bytes.
+#[test]
+fn generate_stats_leave_bytes_beyond_the_struct_alone() {
+    let model = open(&model_file("tiny"), 128);
+    let (status, _) = generate(&model, &PROMPT, &gen_params(3));
+    assert_eq!(status, tl_status::TL_OK);
+    #[repr(C)]
+    struct Bigger {
+        stats: tl_generate_stats,
+        future: [u8; 16],
+    }
+    let mut bigger = Bigger {
+        stats: stats(&model),
+        future: [0x5a; 16],
+    };
+    bigger.stats.struct_size = std::mem::size_of::<Bigger>();
+    bigger.stats.tokens = 0;
+    // SAFETY: a valid out-struct of its struct_size bytes.
+    let status = unsafe { tl_last_generate_stats(model.0, &mut bigger.stats) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!(bigger.stats.tokens, 3);
+    assert_eq!(bigger.stats.struct_size, std::mem::size_of::<Bigger>());
+    assert_eq!(bigger.future, [0x5a; 16]);
+}
+
+fn score_into<T: Clone>(
+    f: unsafe extern "C" fn(
+        *const tl_model,
+        *const i32,
+        usize,
+        i32,
+        *mut T,
+        usize,
+        *mut usize,
+    ) -> tl_status,
+    model: &Handle,
+    loops: i32,
+    rows: usize,
+    fill: T,
+) -> Vec<T> {
+    let mut out = vec![fill; rows];
+    let mut len = 0;
+    // SAFETY: valid tokens, buffer and length.
+    let status = unsafe {
+        f(
+            model.0,
+            PROMPT.as_ptr(),
+            PROMPT.len(),
+            loops,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+        )
+    };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!(len, rows);
+    out
+}
+
+const NO_POINT: tl_trajectory_point = tl_trajectory_point {
+    hidden_norm: 0.0,
+    rel_change: 0.0,
+    kl_prev: 0.0,
+    entropy: 0.0,
+    argmax: -1,
+};
+
+/// The equalities of tests/looped.rs through the C ABI: lens row L is `tl_score_last` at L
+/// loops (bitwise: the CPU computes the same block applications in the same order), and each
+/// trajectory point is the entropy / KL / argmax of its lens row.
+#[test]
+fn lens_rows_are_score_last_and_the_trajectory_reads_them() {
+    let model = open(&model_file("tiny"), 128);
+    let vocab = rust_model(&model_file("tiny")).config().vocab_size;
+    let lens = score_into(tl_score_logit_lens, &model, 5, 5 * vocab, 0f32);
+    for l in 1..=5 {
+        let last = score_into(tl_score_last, &model, l as i32, vocab, 0f32);
+        assert_eq!(&lens[(l - 1) * vocab..l * vocab], &last[..], "row {l}");
+    }
+    let path = score_into(tl_score_trajectory, &model, 5, 5, NO_POINT);
+    let softmax = |row: &[f32]| {
+        let max = row.iter().copied().fold(f32::MIN, f32::max) as f64;
+        let e: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let t: f64 = e.iter().sum();
+        e.into_iter().map(|v| v / t).collect::<Vec<f64>>()
+    };
+    let mut previous: Option<Vec<f64>> = None;
+    for (i, point) in path.iter().enumerate() {
+        let row = &lens[i * vocab..(i + 1) * vocab];
+        let p = softmax(row);
+        let entropy: f64 = -p
+            .iter()
+            .map(|&x| if x > 0.0 { x * x.log2() } else { 0.0 })
+            .sum::<f64>();
+        let kl = previous.as_ref().map_or(0.0, |q| {
+            p.iter().zip(q).map(|(a, b)| a * (a / b).ln()).sum()
+        });
+        // f64 recomputations of the same sums (as tests/looped.rs): 1e-9 relative.
+        assert!(
+            (point.entropy - entropy).abs() <= 1e-9 * entropy.max(1.0),
+            "{i}"
+        );
+        assert!((point.kl_prev - kl).abs() <= 1e-9 * kl.max(1.0), "{i}");
+        let argmax = (0..vocab).fold(0, |best, j| if row[j] > row[best] { j } else { best });
+        assert_eq!(point.argmax as usize, argmax, "{i}");
+        previous = Some(p);
+    }
+    assert_eq!(path[0].kl_prev, 0.0);
+}
+
+fn speculate(
+    model: &Handle,
+    p: &tl_generate_params,
+    spec: &tl_speculative_params,
+) -> (tl_status, Vec<i32>) {
+    let mut out = vec![0i32; p.max_tokens as usize];
+    let mut len = 0;
+    // SAFETY: valid tokens, params and buffers.
+    let status = unsafe {
+        tl_generate_speculative(
+            model.0,
+            PROMPT.as_ptr(),
+            PROMPT.len(),
+            p,
+            spec,
+            out.as_mut_ptr(),
+            out.len(),
+            &mut len,
+        )
+    };
+    out.truncate(if status == tl_status::TL_OK { len } else { 0 });
+    (status, out)
+}
+
+/// Greedy speculation equals plain greedy generation at the verify loops, with the drafts
+/// counted in the statistics; bad speculative params are refused with a message naming them.
+#[test]
+fn greedy_speculation_equals_plain_generation_and_bad_params_are_refused() {
+    let model = open(&model_file("tiny"), 128);
+    let mut p = gen_params(24);
+    p.loops = 4;
+    let (status, plain) = generate(&model, &PROMPT, &p);
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    for draft_loops in [1, 3] {
+        for draft_len in [1, 4, TL_MAX_DRAFT_LEN] {
+            for reuse in [false, true] {
+                let spec = spec_params(draft_loops, draft_len, reuse);
+                let (status, out) = speculate(&model, &p, &spec);
+                assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+                assert_eq!(
+                    out, plain,
+                    "draft {draft_loops} len {draft_len} reuse {reuse}"
+                );
+                let s = stats(&model);
+                assert_eq!(s.tokens, out.len());
+                assert!(s.drafted > 0 && s.accepted <= s.drafted, "{s:?}");
+            }
+        }
+    }
+    for (spec, needle) in [
+        (spec_params(4, 4, true), "draft_loops"),
+        (spec_params(0, 4, true), "draft_loops"),
+        (spec_params(2, 0, true), "draft_len"),
+        (spec_params(2, TL_MAX_DRAFT_LEN + 1, true), "draft_len"),
+    ] {
+        let (status, _) = speculate(&model, &p, &spec);
+        assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains(needle), "{}", last_error());
+    }
+    let mut small = spec_params(2, 4, true);
+    small.struct_size = 8;
+    assert_eq!(
+        speculate(&model, &p, &small).0,
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+    assert!(last_error().contains("tl_speculative_params.struct_size"));
+    let mut s = stats(&model);
+    s.struct_size = 8;
+    // SAFETY: a valid out-struct.
+    let status = unsafe { tl_last_generate_stats(model.0, &mut s) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("tl_generate_stats.struct_size"));
+}
+
+/// Generating after a prefix cache gives the tokens of generating from prefix + prompt, on the
+/// model and on a session; freed and closed caches are `TL_ERR_CLOSED`.
+#[test]
+fn prefix_cache_equals_the_whole_text_and_dies_with_its_model() {
+    let model = open(&model_file("tiny"), 128);
+    let prefix: Vec<i32> = (0..19).map(|i| (i * 7 + 3) % 64).collect();
+    let whole: Vec<i32> = prefix.iter().chain(PROMPT.iter()).copied().collect();
+    let mut p = gen_params(12);
+    p.loops = 3;
+    let (status, expected) = generate(&model, &whole, &p);
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid tokens and out-pointer.
+    let status =
+        unsafe { tl_prefix_cache_new(model.0, prefix.as_ptr(), prefix.len(), 3, &mut cache) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    p.prefix_cache = cache;
+    assert_eq!(
+        generate(&model, &PROMPT, &p),
+        (tl_status::TL_OK, expected.clone())
+    );
+    let session = new_session(&model);
+    assert_eq!(
+        session_generate(&session, &PROMPT, &p),
+        (tl_status::TL_OK, expected)
+    );
+
+    tl_prefix_cache_free(cache);
+    assert_eq!(generate(&model, &PROMPT, &p).0, tl_status::TL_ERR_CLOSED);
+    assert!(last_error().contains("freed"), "{}", last_error());
+    tl_prefix_cache_free(cache);
+
+    // SAFETY: valid tokens and out-pointer.
+    let status =
+        unsafe { tl_prefix_cache_new(model.0, prefix.as_ptr(), prefix.len(), 3, &mut cache) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    p.prefix_cache = cache;
+    assert_eq!(tl_close(model.0), tl_status::TL_OK);
+    assert_eq!(
+        session_generate(&session, &PROMPT, &p).0,
+        tl_status::TL_ERR_CLOSED
+    );
+    assert!(
+        last_error().contains("whose model was closed"),
+        "{}",
+        last_error()
+    );
+    p.prefix_cache = ptr::null();
+    assert_eq!(session_generate(&session, &PROMPT, &p).0, tl_status::TL_OK);
+    tl_prefix_cache_free(cache);
+}
+
+/// A resume handle used after it was freed, or after its model was closed, is `TL_ERR_CLOSED`;
+/// a resume handle from another model is refused.
+#[test]
+fn resume_handles_after_free_and_close_are_closed() {
+    let path = model_file("tiny");
+    let (model, other) = (open(&path, 128), open(&path, 128));
+    let mut handle = ptr::null_mut();
+    // SAFETY: valid tokens and out-pointer.
+    let status =
+        unsafe { tl_resume_handle_new(model.0, PROMPT.as_ptr(), PROMPT.len(), 2, &mut handle) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let resume = |m: &Handle, h: *const tl_resume_handle| {
+        let p = gen_params(4);
+        let (mut out, mut len) = (vec![0i32; 4], 0);
+        // SAFETY: valid params and buffers; handles are looked up, never dereferenced.
+        unsafe { tl_resume_generate(m.0, h, &p, out.as_mut_ptr(), out.len(), &mut len) }
+    };
+    assert_eq!(resume(&model, handle), tl_status::TL_OK, "{}", last_error());
+    assert_eq!(resume(&other, handle), tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("another model"), "{}", last_error());
+    tl_resume_handle_free(handle);
+    assert_eq!(resume(&model, handle), tl_status::TL_ERR_CLOSED);
+
+    // SAFETY: valid tokens and out-pointer.
+    let status =
+        unsafe { tl_resume_handle_new(model.0, PROMPT.as_ptr(), PROMPT.len(), 2, &mut handle) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!(tl_close(model.0), tl_status::TL_OK);
+    let session = new_session(&other);
+    let p = gen_params(4);
+    let (mut out, mut len) = (vec![0i32; 4], 0);
+    // SAFETY: valid params and buffers.
+    let status = unsafe {
+        tl_session_resume_generate(session.0, handle, &p, out.as_mut_ptr(), out.len(), &mut len)
+    };
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    tl_resume_handle_free(handle);
+}

@@ -46,6 +46,18 @@ fn header_declares_the_abi_surface() {
         "tl_session_cancel(",
         "tl_last_error_message(",
         "tl_status_string(",
+        "#define TL_MAX_DRAFT_LEN 15",
+        "tl_score_logit_lens(",
+        "tl_session_score_trajectory(",
+        "tl_generate_speculative(",
+        "tl_speculative_default_params(",
+        "tl_prefix_cache_new(",
+        "tl_prefix_cache_free(",
+        "const struct tl_prefix_cache *prefix_cache;",
+        "tl_resume_handle_new(",
+        "tl_resume_handle_free(",
+        "tl_session_resume_generate(",
+        "tl_last_generate_stats(",
     ] {
         assert!(header.contains(name), "header lacks {name}");
     }

@@ -4,9 +4,10 @@
 //   tinyloop::Model model("model.tinyloop");            // throws tinyloop::Error on failure
 //   std::vector<int32_t> out = model.generate({82, 79, 77, 69, 79, 58});
 //   model.generate_stream(prompt, opts, [](int32_t t) { std::printf("%d ", t); });
+//   std::vector<float> lens = model.score_logit_lens(prompt, 8);  // [8 * vocab]
 //
 // Handles are move-only RAII objects: ~Model frees the model (tl_model_free), ~Session the
-// session. Every failure throws tinyloop::Error carrying the tl_status and the library's message.
+// session, ~PrefixCache and ~ResumeHandle theirs (closing their model releases them too). Every failure throws tinyloop::Error carrying the tl_status and the library's message.
 // Threads: Model methods may be called from any thread; calls that run on the model's default
 // session (generate*, score*) run one at a time (a concurrent one throws with TL_ERR_BUSY), the
 // others (config, vram_usage_mb, device, new_session, cancel, close) never wait for them. A
@@ -84,6 +85,82 @@ private:
     std::size_t size_ = 0;
 };
 
+namespace detail {
+/// A move-only owner of a prefix cache or resume handle; `Free` releases it.
+template <class Handle, void (*Free)(Handle*)>
+class Bound {
+public:
+    explicit Bound(Handle* ptr) noexcept : ptr_(ptr) {}
+    Bound(const Bound&) = delete;
+    Bound& operator=(const Bound&) = delete;
+    Bound(Bound&& other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    Bound& operator=(Bound&& other) noexcept {
+        if (this != &other) {
+            Free(ptr_);
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~Bound() { Free(ptr_); }
+
+    /// The C handle (owned by this object; NULL once moved from).
+    Handle* get() const noexcept { return ptr_; }
+
+protected:
+    /// Device memory it holds, in MB (10^6 bytes), through `memory_mb`.
+    double memory(tl_status (*memory_mb)(const Handle*, double*)) const {
+        double mb = 0;
+        check(memory_mb(ptr_, &mb));
+        return mb;
+    }
+
+private:
+    Handle* ptr_ = nullptr;
+};
+}  // namespace detail
+
+/// The KV entries of a prefix (Model::build_prefix_cache); set GenerateOptions::prefix_cache
+/// to generate after it. Several sessions may use one cache at once. Move-only; closing the
+/// model it was built on releases it (later uses throw with TL_ERR_CLOSED).
+class PrefixCache : public detail::Bound<tl_prefix_cache, tl_prefix_cache_free> {
+public:
+    using Bound::Bound;
+    double memory_mb() const { return memory(tl_prefix_cache_memory_mb); }
+};
+
+/// A prompt run at some loop count (Model::build_resume_handle); resume_generate continues it
+/// at any depth. Move-only; closing the model it was built on releases it.
+class ResumeHandle : public detail::Bound<tl_resume_handle, tl_resume_handle_free> {
+public:
+    using Bound::Bound;
+    double memory_mb() const { return memory(tl_resume_handle_memory_mb); }
+};
+
+/// How generate_speculative drafts; the default constructor takes the library's defaults
+/// (draft_len 4, reuse on) and draft_loops 0, which must be set.
+struct SpeculativeOptions {
+    uint32_t draft_loops;  ///< 1..verify loops - 1
+    uint32_t draft_len;    ///< 1..TL_MAX_DRAFT_LEN
+    bool reuse;            ///< verify from the draft's state (false: recompute, the baseline)
+
+    SpeculativeOptions() {
+        tl_speculative_params p;
+        detail::check(tl_speculative_default_params(&p));
+        draft_loops = p.draft_loops;
+        draft_len = p.draft_len;
+        reuse = p.reuse;
+    }
+
+    tl_speculative_params to_c() const {
+        tl_speculative_params p;
+        detail::check(tl_speculative_default_params(&p));
+        p.draft_loops = draft_loops;
+        p.draft_len = draft_len;
+        p.reuse = reuse;
+        return p;
+    }
+};
+
 /// Options of Model's constructor; the default constructor takes the library's defaults.
 struct ModelOptions {
     uint32_t max_seq_len;
@@ -116,6 +193,9 @@ struct GenerateOptions {
     float top_p;
     uint64_t seed;
     std::vector<int32_t> stop;
+    /// Generate after this cache's prefix (built at the same loops): the same tokens as
+    /// generating from prefix + prompt. generate and generate_stream only; not owned.
+    const PrefixCache* prefix_cache = nullptr;
 
     GenerateOptions() {
         tl_generate_params p;
@@ -139,6 +219,9 @@ struct GenerateOptions {
         p.seed = seed;
         p.stop_tokens = stop.empty() ? nullptr : stop.data();
         p.n_stop_tokens = stop.size();
+        if (prefix_cache != nullptr && prefix_cache->get() == nullptr)
+            throw Error(TL_ERR_INVALID_ARGUMENT, "GenerateOptions::prefix_cache was moved from");
+        p.prefix_cache = prefix_cache != nullptr ? prefix_cache->get() : nullptr;
         return p;
     }
 };
@@ -227,12 +310,79 @@ public:
     /// Error with TL_ERR_CANCELLED. Callable from any thread.
     void cancel() const { check(Self::c_cancel(handle())); }
 
+    /// The logit lens: logits [loops * vocab] (row-major) at the last position, read out after
+    /// each loop iteration; row L-1 equals score_last(tokens, L).
+    std::vector<float> score_logit_lens(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_score_logit_lens, tokens, loops);
+    }
+
+    /// The last position's path through the loop iterations, one point per iteration.
+    std::vector<tl_trajectory_point> score_trajectory(Tokens tokens,
+                                                      int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_score_trajectory, tokens, loops);
+    }
+
+    /// Self-speculative generation at opts.loops (the verify loops), drafting spec.draft_len
+    /// tokens at a time at spec.draft_loops. Greedy output equals generate's.
+    std::vector<int32_t> generate_speculative(Tokens prompt, const GenerateOptions& opts,
+                                              const SpeculativeOptions& spec) const {
+        tl_generate_params p = opts.to_c();
+        tl_speculative_params sp = spec.to_c();
+        std::vector<int32_t> out(opts.max_tokens > 0 ? opts.max_tokens : 1);
+        std::size_t n = 0;
+        check(Self::c_generate_speculative(handle(), prompt.data(), prompt.size(), &p, &sp,
+                                           out.data(), out.size(), &n));
+        out.resize(n);
+        return out;
+    }
+
+    /// Run `tokens` at `loops` and keep their KV entries for generate with
+    /// GenerateOptions::prefix_cache (at the same loops), on any session of this model.
+    PrefixCache build_prefix_cache(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        tl_prefix_cache* cache = nullptr;
+        check(Self::c_prefix_cache_new(handle(), tokens.data(), tokens.size(), loops, &cache));
+        return PrefixCache(cache);
+    }
+
+    /// Run the prompt `tokens` at `loops` and keep what resume_generate needs to generate after
+    /// it at any loop count.
+    ResumeHandle build_resume_handle(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        tl_resume_handle* h = nullptr;
+        check(Self::c_resume_handle_new(handle(), tokens.data(), tokens.size(), loops, &h));
+        return ResumeHandle(h);
+    }
+
+    /// Generate after the prompt of `h` at opts.loops (any depth): the same tokens as generate
+    /// from that prompt at those loops.
+    std::vector<int32_t> resume_generate(const ResumeHandle& h,
+                                         const GenerateOptions& opts = {}) const {
+        tl_generate_params p = opts.to_c();
+        std::vector<int32_t> out(opts.max_tokens > 0 ? opts.max_tokens : 1);
+        std::size_t n = 0;
+        check(Self::c_resume_generate(handle(), h.get(), &p, out.data(), out.size(), &n));
+        out.resize(n);
+        return out;
+    }
+
+    /// What the last successful generation call here did (tokens, times, drafts accepted).
+    tl_generate_stats last_generate_stats() const {
+        tl_generate_stats stats{};
+        stats.struct_size = sizeof stats;
+        check(Self::c_last_generate_stats(handle(), &stats));
+        return stats;
+    }
+
 protected:
     Handle* handle() const noexcept { return static_cast<const Self*>(this)->get(); }
 
 private:
-    template <class Fn>
-    std::vector<float> score_call(Fn fn, Tokens tokens, int32_t loops) const {
+    /// A C function that fills a buffer of T for tokens at some loops.
+    template <class T>
+    using BufferFn = tl_status (*)(const Handle*, const int32_t*, std::size_t, int32_t, T*,
+                                   std::size_t, std::size_t*);
+
+    template <class T>
+    std::vector<T> score_call(BufferFn<T> fn, Tokens tokens, int32_t loops) const {
         // Ask for the required length first (a NULL buffer of capacity 0), then fill.
         std::size_t need = 0;
         tl_status status = fn(handle(), tokens.data(), tokens.size(), loops, nullptr, 0, &need);
@@ -240,7 +390,7 @@ private:
             check(status);  // a real error (TL_OK is impossible for a zero-capacity buffer
             need = 0;       // unless nothing is needed)
         }
-        std::vector<float> out(need > 0 ? need : 1);
+        std::vector<T> out(need > 0 ? need : 1);
         std::size_t n = 0;
         check(fn(handle(), tokens.data(), tokens.size(), loops, out.data(), out.size(), &n));
         out.resize(n);
@@ -327,28 +477,19 @@ public:
     /// The C handle (owned by this object).
     tl_model* get() const noexcept { return ptr_; }
 
-    static tl_status c_generate(tl_model* m, const int32_t* t, std::size_t n,
-                                const tl_generate_params* p, int32_t* out, std::size_t cap,
-                                std::size_t* len) {
-        return tl_generate(m, t, n, p, out, cap, len);
-    }
-    static tl_status c_stream(tl_model* m, const int32_t* t, std::size_t n,
-                              const tl_generate_params* p, tl_token_callback cb, void* ud) {
-        return tl_generate_stream(m, t, n, p, cb, ud);
-    }
-    static tl_status c_score_last(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
-                                  float* out, std::size_t cap, std::size_t* len) {
-        return tl_score_last(m, t, n, loops, out, cap, len);
-    }
-    static tl_status c_score(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
-                             float* out, std::size_t cap, std::size_t* len) {
-        return tl_score(m, t, n, loops, out, cap, len);
-    }
-    static tl_status c_logprobs(tl_model* m, const int32_t* t, std::size_t n, int32_t loops,
-                                float* out, std::size_t cap, std::size_t* len) {
-        return tl_logprobs(m, t, n, loops, out, cap, len);
-    }
-    static tl_status c_cancel(tl_model* m) { return tl_cancel(m); }
+    static constexpr auto c_generate = tl_generate;
+    static constexpr auto c_stream = tl_generate_stream;
+    static constexpr auto c_score_last = tl_score_last;
+    static constexpr auto c_score = tl_score;
+    static constexpr auto c_logprobs = tl_logprobs;
+    static constexpr auto c_cancel = tl_cancel;
+    static constexpr auto c_score_logit_lens = tl_score_logit_lens;
+    static constexpr auto c_score_trajectory = tl_score_trajectory;
+    static constexpr auto c_generate_speculative = tl_generate_speculative;
+    static constexpr auto c_prefix_cache_new = tl_prefix_cache_new;
+    static constexpr auto c_resume_handle_new = tl_resume_handle_new;
+    static constexpr auto c_resume_generate = tl_resume_generate;
+    static constexpr auto c_last_generate_stats = tl_last_generate_stats;
 
 private:
     tl_model* ptr_ = nullptr;
@@ -373,28 +514,19 @@ public:
 
     tl_session* get() const noexcept { return ptr_; }
 
-    static tl_status c_generate(tl_session* s, const int32_t* t, std::size_t n,
-                                const tl_generate_params* p, int32_t* out, std::size_t cap,
-                                std::size_t* len) {
-        return tl_session_generate(s, t, n, p, out, cap, len);
-    }
-    static tl_status c_stream(tl_session* s, const int32_t* t, std::size_t n,
-                              const tl_generate_params* p, tl_token_callback cb, void* ud) {
-        return tl_session_generate_stream(s, t, n, p, cb, ud);
-    }
-    static tl_status c_score_last(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
-                                  float* out, std::size_t cap, std::size_t* len) {
-        return tl_session_score_last(s, t, n, loops, out, cap, len);
-    }
-    static tl_status c_score(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
-                             float* out, std::size_t cap, std::size_t* len) {
-        return tl_session_score(s, t, n, loops, out, cap, len);
-    }
-    static tl_status c_logprobs(tl_session* s, const int32_t* t, std::size_t n, int32_t loops,
-                                float* out, std::size_t cap, std::size_t* len) {
-        return tl_session_logprobs(s, t, n, loops, out, cap, len);
-    }
-    static tl_status c_cancel(tl_session* s) { return tl_session_cancel(s); }
+    static constexpr auto c_generate = tl_session_generate;
+    static constexpr auto c_stream = tl_session_generate_stream;
+    static constexpr auto c_score_last = tl_session_score_last;
+    static constexpr auto c_score = tl_session_score;
+    static constexpr auto c_logprobs = tl_session_logprobs;
+    static constexpr auto c_cancel = tl_session_cancel;
+    static constexpr auto c_score_logit_lens = tl_session_score_logit_lens;
+    static constexpr auto c_score_trajectory = tl_session_score_trajectory;
+    static constexpr auto c_generate_speculative = tl_session_generate_speculative;
+    static constexpr auto c_prefix_cache_new = tl_session_prefix_cache_new;
+    static constexpr auto c_resume_handle_new = tl_session_resume_handle_new;
+    static constexpr auto c_resume_generate = tl_session_resume_generate;
+    static constexpr auto c_last_generate_stats = tl_session_last_generate_stats;
 
 private:
     tl_session* ptr_ = nullptr;

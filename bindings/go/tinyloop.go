@@ -106,6 +106,10 @@ type GenerateOptions struct {
 	TopP        float32 // (0, 1]
 	Seed        uint64  // sampler seed; the same seed and inputs give the same tokens
 	Stop        []int32 // generation ends at any of these (not returned)
+	// PrefixCache, when set (NewPrefixCache, at the same loops), is generated after: the same
+	// tokens as generating from its prefix followed by the prompt. Generate and GenerateStream
+	// only.
+	PrefixCache *PrefixCache
 }
 
 // DefaultGenerateOptions returns the library's defaults (tl_generate_default_params).
@@ -189,8 +193,9 @@ func cTokens(tokens []int32) *C.int32_t {
 	return p
 }
 
-// cParams converts options to C; free the returned stop array with C.free (nil-safe).
-func cParams(o *GenerateOptions) (C.tl_generate_params, *C.int32_t, error) {
+// cParams converts options of a call named method to C; free the returned stop array with
+// C.free (nil-safe).
+func cParams(o *GenerateOptions, method string) (C.tl_generate_params, *C.int32_t, error) {
 	var p C.tl_generate_params
 	C.tl_generate_default_params(&p)
 	if o == nil {
@@ -211,6 +216,13 @@ func cParams(o *GenerateOptions) (C.tl_generate_params, *C.int32_t, error) {
 	p.top_k = C.uint32_t(o.TopK)
 	p.top_p = C.float(o.TopP)
 	p.seed = C.uint64_t(o.Seed)
+	if o.PrefixCache != nil {
+		cache, err := o.PrefixCache.get(method)
+		if err != nil {
+			return p, nil, err
+		}
+		p.prefix_cache = (*C.tl_prefix_cache)(cache)
+	}
 	// The params struct lives in Go memory, so the stop array must be C memory (cgo rules).
 	stop := cTokens(o.Stop)
 	p.stop_tokens = stop
@@ -278,7 +290,11 @@ func cancelledByCtx(ctx context.Context, err error) error {
 
 // runner holds the calls shared by Model (its default session) and Session.
 type runner struct {
-	h        *handle
+	h *handle
+	// The handle the calls run on: a model (its default session) or, when model is nil, a
+	// session.
+	model    *C.tl_model
+	session  *C.tl_session
 	generate func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status
 	stream   func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, handle C.uintptr_t) C.enum_tl_status
 	scoreFn  func(kind int, tok *C.int32_t, n C.size_t, loops C.int32_t, out *C.float, outCap C.size_t, outLen *C.size_t) C.enum_tl_status
@@ -292,33 +308,9 @@ const (
 )
 
 func (r *runner) doGenerate(ctx context.Context, tokens []int32, o *GenerateOptions) ([]int32, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, cancelledByCtx(ctx, &Error{Status: StatusCancelled})
-	}
-	p, stop, err := cParams(o)
-	defer C.free(unsafe.Pointer(stop))
-	if err != nil {
-		return nil, err
-	}
-	if err := r.h.enter("Generate"); err != nil {
-		return nil, err
-	}
-	defer r.h.mu.RUnlock()
-	out := make([]int32, int(p.max_tokens)+1)
-	var n C.size_t
-	unwatch := watch(ctx, func() { r.cancelFn() })
-	err = call("Generate", r.h.what, func() C.enum_tl_status {
-		return r.generate(tokensPtr(tokens), C.size_t(len(tokens)), &p,
-			(*C.int32_t)(unsafe.Pointer(&out[0])), C.size_t(len(out)), &n)
+	return r.generateWith(ctx, "Generate", o, nil, func(p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, n *C.size_t) C.enum_tl_status {
+		return r.generate(tokensPtr(tokens), C.size_t(len(tokens)), p, out, outCap, n)
 	})
-	unwatch()
-	if err != nil {
-		if e, ok := err.(*Error); ok && e.Status == StatusCancelled {
-			return nil, cancelledByCtx(ctx, err)
-		}
-		return nil, err
-	}
-	return out[:int(n)], nil
 }
 
 func (r *runner) doStream(ctx context.Context, tokens []int32, o *GenerateOptions, fn func(int32) bool) error {
@@ -328,10 +320,14 @@ func (r *runner) doStream(ctx context.Context, tokens []int32, o *GenerateOption
 	if err := ctx.Err(); err != nil {
 		return cancelledByCtx(ctx, &Error{Status: StatusCancelled})
 	}
-	p, stop, err := cParams(o)
+	p, stop, err := cParams(o, "GenerateStream")
 	defer C.free(unsafe.Pointer(stop))
 	if err != nil {
 		return err
+	}
+	var cache *bound
+	if o != nil && o.PrefixCache != nil {
+		cache = &o.PrefixCache.bound
 	}
 	if err := r.h.enter("GenerateStream"); err != nil {
 		return err
@@ -341,7 +337,7 @@ func (r *runner) doStream(ctx context.Context, tokens []int32, o *GenerateOption
 	h := cgo.NewHandle(state)
 	defer h.Delete()
 	unwatch := watch(ctx, func() { r.cancelFn() })
-	err = call("GenerateStream", r.h.what, func() C.enum_tl_status {
+	err = r.callBound("GenerateStream", cache, func() C.enum_tl_status {
 		return r.stream(tokensPtr(tokens), C.size_t(len(tokens)), &p, C.uintptr_t(h))
 	})
 	unwatch()
@@ -445,6 +441,7 @@ func Open(path string, opts *Options) (*Model, error) {
 	// The closures capture the C pointer, not m, so that m can be collected (and finalized).
 	m := &Model{ptr: ptr}
 	m.h = &handle{what: "model"}
+	m.model = ptr
 	m.generate = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
 		return C.tl_generate(ptr, tok, n, p, out, outCap, outLen)
 	}
@@ -651,6 +648,7 @@ func (m *Model) NewSession() (*Session, error) {
 	}
 	s := &Session{ptr: ptr, vsize: vocab}
 	s.h = &handle{what: "session"}
+	s.session = ptr
 	s.generate = func(tok *C.int32_t, n C.size_t, p *C.tl_generate_params, out *C.int32_t, outCap C.size_t, outLen *C.size_t) C.enum_tl_status {
 		return C.tl_session_generate(ptr, tok, n, p, out, outCap, outLen)
 	}

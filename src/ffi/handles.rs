@@ -1,7 +1,7 @@
 //! The handles given to C: serial numbers, resolved through a process-wide table of live
 //! objects, never addresses.
 //!
-//! A handle value is `MARK | kind | id`. Ids come from one counter and are never reused, so a
+//! A handle value is `MARK | kind | id` (kinds: model, session, prefix cache, resume handle). Ids come from one counter and are never reused, so a
 //! handle that was closed stays closed for good: a later call is answered `TL_ERR_CLOSED`
 //! even when a new object of the same kind exists. The library never dereferences a handle
 //! value, so a stale, forged or mistyped handle is an error, never a memory access; and since
@@ -16,34 +16,46 @@
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 
 use super::{tl_status, Failure, FfiResult};
 use crate::error::Error;
 
 /// Set in every handle value.
 const MARK: usize = 1 << (usize::BITS - 1);
-/// Set in session handles, clear in model handles.
-const SESSION_BIT: usize = 1 << (usize::BITS - 2);
+/// The two bits below `MARK` hold the kind.
+const KIND_SHIFT: u32 = usize::BITS - 3;
 /// The id part of a handle value.
-const ID_MASK: usize = SESSION_BIT - 1;
+const ID_MASK: usize = (1 << KIND_SHIFT) - 1;
 
-/// The next id to hand out (shared by both kinds; 0 is never used).
+/// The next id to hand out (shared by all kinds; 0 is never used).
 static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
 
-/// The two kinds of handle.
+/// The kinds of handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
     Model,
     Session,
+    PrefixCache,
+    ResumeHandle,
 }
 
 impl Kind {
+    const ALL: [Kind; 4] = [
+        Kind::Model,
+        Kind::Session,
+        Kind::PrefixCache,
+        Kind::ResumeHandle,
+    ];
+
     fn bits(self) -> usize {
-        match self {
-            Kind::Model => MARK,
-            Kind::Session => MARK | SESSION_BIT,
-        }
+        let code = match self {
+            Kind::Model => 0,
+            Kind::Session => 1,
+            Kind::PrefixCache => 2,
+            Kind::ResumeHandle => 3,
+        };
+        MARK | code << KIND_SHIFT
     }
 
     /// The argument name used in messages ("model is NULL").
@@ -51,6 +63,8 @@ impl Kind {
         match self {
             Kind::Model => "model",
             Kind::Session => "session",
+            Kind::PrefixCache => "prefix_cache",
+            Kind::ResumeHandle => "resume_handle",
         }
     }
 
@@ -58,18 +72,28 @@ impl Kind {
         match self {
             Kind::Model => "tl_model",
             Kind::Session => "tl_session",
+            Kind::PrefixCache => "tl_prefix_cache",
+            Kind::ResumeHandle => "tl_resume_handle",
         }
     }
 
     /// The failure of `func` called on a handle of this kind that was closed / freed.
     pub fn closed(self, func: &str) -> Failure {
-        match self {
-            Kind::Model => Failure::from(Error::Closed(func.to_string())),
-            Kind::Session => Failure::new(
-                tl_status::TL_ERR_CLOSED,
-                format!("{func} called on a freed session; create a new one with tl_session_new"),
+        let message = match self {
+            Kind::Model => return Failure::from(Error::Closed(func.to_string())),
+            Kind::Session => {
+                format!("{func} called on a freed session; create a new one with tl_session_new")
+            }
+            Kind::PrefixCache => format!(
+                "{func} called with a prefix cache that was freed or whose model was closed; \
+                 build a new one with tl_prefix_cache_new"
             ),
-        }
+            Kind::ResumeHandle => format!(
+                "{func} called with a resume handle that was freed or whose model was closed; \
+                 build a new one with tl_resume_handle_new"
+            ),
+        };
+        Failure::new(tl_status::TL_ERR_CLOSED, message)
     }
 }
 
@@ -101,6 +125,12 @@ impl<T, C> Table<T, C> {
 
     /// Register `value` and return its new handle.
     pub fn insert(&self, value: T) -> FfiResult<*mut C> {
+        self.insert_cyclic(|_| value)
+    }
+
+    /// Register the object `make` builds from a weak reference to itself, and return its new
+    /// handle.
+    pub fn insert_cyclic(&self, make: impl FnOnce(&Weak<T>) -> T) -> FfiResult<*mut C> {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         if id > ID_MASK {
             // Only reachable where usize is 32 bits: 2^30 handles were issued.
@@ -110,7 +140,7 @@ impl<T, C> Table<T, C> {
             ));
         }
         let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
-        live.insert(id, Arc::new(value));
+        live.insert(id, Arc::new_cyclic(make));
         Ok(std::ptr::without_provenance_mut(self.kind.bits() | id))
     }
 
@@ -123,14 +153,12 @@ impl<T, C> Table<T, C> {
         let kind = self.kind;
         let id = value & ID_MASK;
         if value & !ID_MASK != kind.bits() || id == 0 || id >= NEXT_ID.load(Ordering::Relaxed) {
-            let other = match kind {
-                Kind::Model => Kind::Session,
-                Kind::Session => Kind::Model,
-            };
-            let what = if value & !ID_MASK == other.bits() {
-                format!("a {} handle", other.c_type())
-            } else {
-                format!("not a handle ({value:#x})")
+            let other = Kind::ALL
+                .into_iter()
+                .find(|&k| k != kind && value & !ID_MASK == k.bits());
+            let what = match other {
+                Some(other) => format!("a {} handle", other.c_type()),
+                None => format!("not a handle ({value:#x})"),
             };
             return Lookup::Invalid(Failure::invalid(format!(
                 "{} is {what}, not a {}",

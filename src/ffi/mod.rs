@@ -10,10 +10,14 @@
 //! * NULL is checked everywhere; free / close functions accept NULL and are idempotent.
 //!
 //! Handles: a `tl_model` is a [`crate::Model`] plus its default [`crate::Session`]; a
-//! `tl_session` is a further session over the same weights. Handle values are ids resolved
-//! through a table of live objects (`handles.rs`), so a closed or freed handle is answered
-//! `TL_ERR_CLOSED` without touching freed memory. Each session sits in a `SessionSlot` whose
-//! mutex is taken by `try_lock`, so a second concurrent call gets `TL_ERR_BUSY` at once.
+//! `tl_session` is a further session over the same weights; a `tl_prefix_cache` or
+//! `tl_resume_handle` is bound to the model handle it was built on. Handle values are ids
+//! resolved through a table of live objects (`handles.rs`), so a closed or freed handle is
+//! answered `TL_ERR_CLOSED` without touching freed memory. Each session sits in a `SessionSlot`
+//! whose mutex is taken by `try_lock`, so a second concurrent call gets `TL_ERR_BUSY` at once.
+//! Every operation on a session is written once, over a `Target` (`target.rs`) that its
+//! `tl_*` entry point makes from a model handle and its `tl_session_*` entry point from a
+//! session handle.
 
 #![allow(non_camel_case_types)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -31,6 +35,10 @@ pub const TL_ABI_VERSION: u32 = 1;
 
 /// Value of a `loops` argument or field that selects the model's `default_loops`.
 pub const TL_LOOPS_DEFAULT: i32 = -1;
+
+/// The largest `tl_speculative_params.draft_len`.
+pub const TL_MAX_DRAFT_LEN: u32 = 15;
+const _: () = assert!(TL_MAX_DRAFT_LEN as usize == crate::MAX_DRAFT_LEN);
 
 /// Result of every fallible function. `TL_OK` is 0; every other value is a failure whose
 /// message `tl_last_error_message()` returns on the same thread.
@@ -88,6 +96,8 @@ fn assert_handles_are_thread_safe() {
     fn check<T: Send + Sync>() {}
     check::<model::OpenModel>();
     check::<session::SessionSlot>();
+    check::<bound::Held<crate::PrefixCache>>();
+    check::<bound::Held<crate::ResumeHandle>>();
 }
 
 /// A failure on its way to C: a status and a message (the function name is added later).
@@ -360,6 +370,13 @@ mod model;
 pub use model::*;
 mod session;
 pub use session::*;
+mod calls;
+mod target;
+pub use calls::*;
+mod bound;
+pub use bound::*;
+mod looped;
+pub use looped::*;
 
 #[cfg(test)]
 mod tests {

@@ -1,16 +1,18 @@
 //! `tl_model`: a model plus its default session (the seed's simple surface).
 
-use std::ffi::{c_char, c_void};
-use std::sync::RwLock;
+use std::collections::BTreeSet;
+use std::ffi::c_char;
+use std::sync::{Arc, Mutex, RwLock};
 
+use super::bound::Bound;
 use super::handles::{Kind, Lookup, Table};
 use super::params::{
-    check_buffer, check_config_size, model_options, saturate, tl_config, tl_generate_params,
-    tl_model_params, write_buffer,
+    check_buffer, model_options, saturate, tl_config, tl_model_params, write_buffer,
+    write_versioned,
 };
-use super::session::{ops, tl_token_callback, SessionSlot};
+use super::session::SessionSlot;
 use super::{boundary, boundary_void, c_str, non_null, tl_status, write_out, Failure, FfiResult};
-use crate::{HeadKind, Model, NormKind, Session};
+use crate::{HeadKind, Model, NormKind};
 
 /// An open model: immutable weights on one device plus a default session. Opaque; created by
 /// `tl_model_open`, closed (and freed) by `tl_close` or `tl_model_free`. A handle is a value
@@ -27,7 +29,10 @@ pub(crate) struct OpenModel {
     /// The weights; `None` once closed. Read-locked briefly by calls that need only the model.
     model: RwLock<Option<Model>>,
     /// The default session, where the generate / score calls of the model handle run.
-    default: SessionSlot,
+    default: Arc<SessionSlot>,
+    /// The prefix caches and resume handles built on this model (through any of its sessions),
+    /// retired when it closes; `None` once closed.
+    bound: Mutex<Option<BTreeSet<Bound>>>,
 }
 
 impl OpenModel {
@@ -43,11 +48,28 @@ impl OpenModel {
     }
 
     /// Release the default session (new calls fail from here on; a running one is cancelled
-    /// and awaited) and the model's reference to the weights.
+    /// and awaited), the model's reference to the weights, and the handles bound to it.
     fn close(&self) -> FfiResult {
         self.default.release()?;
         *self.model.write().unwrap_or_else(|p| p.into_inner()) = None;
+        let bound = self.bound.lock().unwrap_or_else(|p| p.into_inner()).take();
+        bound.into_iter().flatten().for_each(Bound::retire);
         Ok(())
+    }
+
+    /// Bind a handle to this model, so that closing it retires the handle; false (nothing
+    /// done) once the model is closed.
+    pub fn bind(&self, handle: Bound) -> bool {
+        let mut bound = self.bound.lock().unwrap_or_else(|p| p.into_inner());
+        bound.as_mut().is_some_and(|set| set.insert(handle))
+    }
+
+    /// Forget a handle that was freed.
+    pub fn unbind(&self, handle: Bound) {
+        let mut bound = self.bound.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(set) = bound.as_mut() {
+            set.remove(&handle);
+        }
     }
 }
 
@@ -56,13 +78,9 @@ fn model_of(model: *const tl_model, func: &str) -> FfiResult<Model> {
     MODELS.get(model, func)?.model(func)
 }
 
-/// Run `f`, the body of `func`, on the default session of the model behind a handle.
-fn with_default<R>(
-    model: *const tl_model,
-    func: &str,
-    f: impl FnOnce(&mut Session) -> FfiResult<R>,
-) -> FfiResult<R> {
-    MODELS.get(model, func)?.default.run(func, f)
+/// The default session of the model behind a handle that `func` was called on.
+pub(super) fn default_session(model: *const tl_model, func: &str) -> FfiResult<Arc<SessionSlot>> {
+    Ok(MODELS.get(model, func)?.default.clone())
 }
 
 /// `tl_close` and `tl_model_free`: close the model and retire its handle.
@@ -108,9 +126,10 @@ pub unsafe extern "C" fn tl_model_open(
         let options = unsafe { model_options(params) }?;
         let model = Model::open(path, &options)?;
         let session = model.new_session()?;
-        let handle = MODELS.insert(OpenModel {
+        let handle = MODELS.insert_cyclic(|open| OpenModel {
             model: RwLock::new(Some(model)),
-            default: SessionSlot::new(session, Kind::Model),
+            default: Arc::new(SessionSlot::new(session, Kind::Model, open.clone())),
+            bound: Mutex::new(Some(BTreeSet::new())),
         })?;
         // SAFETY: checked non-NULL; writable by the caller's contract.
         unsafe { write_out(out_model, handle) };
@@ -119,7 +138,9 @@ pub unsafe extern "C" fn tl_model_open(
 }
 
 /// Close the model and release everything `tl_model_open` allocated: the weights (unless
-/// sessions still use them), the default session and the handle. From the moment it starts,
+/// sessions still use them), the default session and the handle; and the prefix caches and
+/// resume handles built on the model, whose handles are retired (every later use is
+/// `TL_ERR_CLOSED`, their free functions no-ops). From the moment it starts,
 /// every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
 /// the default session in another thread is cancelled and awaited (a score call is awaited).
 /// Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
@@ -172,7 +193,7 @@ pub extern "C" fn tl_cancel(model: *const tl_model) -> tl_status {
 /// Threads: any thread, concurrently with other calls.
 ///
 /// # Safety
-/// `config` must be NULL or valid for reads and writes of `tl_config`.
+/// `config` must be NULL or valid for reads and writes of its `struct_size` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn tl_model_config(
     model: *const tl_model,
@@ -181,8 +202,6 @@ pub unsafe extern "C" fn tl_model_config(
     boundary("tl_model_config", || {
         let m = model_of(model, "tl_model_config")?;
         non_null(config, "config")?;
-        // SAFETY: non-NULL and readable by the caller's contract.
-        unsafe { check_config_size(config) }?;
         let c = m.config();
         let o = m.options();
         let norm: &'static std::ffi::CStr = match c.norm {
@@ -193,13 +212,12 @@ pub unsafe extern "C" fn tl_model_config(
             HeadKind::Untied => c"untied",
             HeadKind::Tied => c"tied",
         };
-        // SAFETY: the caller's struct_size is at least ours, so its first
-        // size_of::<tl_config>() bytes are writable.
+        // SAFETY: non-NULL; valid for its struct_size bytes by the caller's contract.
         unsafe {
-            write_out(
+            write_versioned(
                 config,
                 tl_config {
-                    struct_size: std::ptr::addr_of!((*config).struct_size).read(),
+                    struct_size: std::mem::size_of::<tl_config>(),
                     dim: saturate(c.dim),
                     n_heads: saturate(c.n_heads),
                     n_kv_heads: saturate(c.n_kv_heads),
@@ -219,9 +237,10 @@ pub unsafe extern "C" fn tl_model_config(
                     prefill_chunk: saturate(o.prefill_chunk),
                     max_loops: saturate(o.max_loops),
                 },
+                &[],
+                "tl_config",
             )
-        };
-        Ok(())
+        }
     })
 }
 
@@ -307,150 +326,13 @@ unsafe fn write_string(text: &str, out: *mut c_char, cap: usize, len: *mut usize
     Ok(())
 }
 
-/// Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
-/// model's default session (greedy by default; `params` NULL = defaults). On success the new
-/// tokens (stop token excluded) are in `out[0..*len]`. `cap` must be >= max_tokens, else
-/// `TL_ERR_BUFFER_TOO_SMALL` with `*len = max_tokens` before any work.
-///
-/// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, empty prompt, negative token or token >=
-/// vocab_size, bad params, prompt + max_tokens > max_seq_len), `TL_ERR_BUSY` (another call on
-/// this model is running), `TL_ERR_CANCELLED` (`tl_cancel`), `TL_ERR_CLOSED`.
-///
-/// Ownership: the caller owns all buffers; nothing is retained after the call.
-/// Threads: any thread; one call at a time per model (use sessions for concurrency).
-///
-/// # Safety
-/// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
-/// `out` valid for `cap` writes; `len` for one write.
-#[no_mangle]
-pub unsafe extern "C" fn tl_generate(
-    model: *const tl_model,
-    tokens: *const i32,
-    n_tokens: usize,
-    params: *const tl_generate_params,
-    out: *mut i32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_generate", || {
-        with_default(model, "tl_generate", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::generate(s, tokens, n_tokens, params, out, cap, len) }
-        })
-    })
-}
-
-/// Like `tl_generate`, but calls `callback(token, user_data)` on the calling thread for each
-/// new token as soon as it exists; returning false stops generation early (TL_OK). Tokens
-/// already delivered stay delivered when the call later fails (e.g. `TL_ERR_CANCELLED`).
-/// The callback may call `tl_cancel`; any other call on this model from inside it returns
-/// `TL_ERR_BUSY`.
-///
-/// Ownership: `user_data` is passed through untouched. Threads: as `tl_generate`.
-///
-/// # Safety
-/// As `tl_generate`; `callback` must be safe to call with `user_data` during the call.
-#[no_mangle]
-pub unsafe extern "C" fn tl_generate_stream(
-    model: *const tl_model,
-    tokens: *const i32,
-    n_tokens: usize,
-    params: *const tl_generate_params,
-    callback: tl_token_callback,
-    user_data: *mut c_void,
-) -> tl_status {
-    boundary("tl_generate_stream", || {
-        with_default(model, "tl_generate_stream", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::generate_stream(s, tokens, n_tokens, params, callback, user_data) }
-        })
-    })
-}
-
-/// Logits `[vocab_size]` at the last position of `tokens[0..n_tokens]`, run at `loops`
-/// iterations (TL_LOOPS_DEFAULT = model default), into `out[0..*len]`. `cap` must be >=
-/// vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with `*len = vocab_size`. With prefill_chunk > 0,
-/// n_tokens must be <= prefill_chunk.
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-///
-/// # Safety
-/// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
-#[no_mangle]
-pub unsafe extern "C" fn tl_score_last(
-    model: *const tl_model,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_score_last", || {
-        with_default(model, "tl_score_last", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::score_last(s, tokens, n_tokens, loops, out, cap, len) }
-        })
-    })
-}
-
-/// Logits `[n_tokens, vocab_size]` (row-major) for every position of `tokens`, on the model's
-/// default session, into `out[0..*len]`; `cap` must be >= n_tokens * vocab_size, else
-/// `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`.
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-///
-/// # Safety
-/// As `tl_score_last`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_score(
-    model: *const tl_model,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_score", || {
-        with_default(model, "tl_score", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::score(s, tokens, n_tokens, loops, out, cap, len) }
-        })
-    })
-}
-
-/// `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1 on the model's default session,
-/// into `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
-///
-/// # Safety
-/// As `tl_score_last`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_logprobs(
-    model: *const tl_model,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_logprobs", || {
-        with_default(model, "tl_logprobs", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::logprobs(s, tokens, n_tokens, loops, out, cap, len) }
-        })
-    })
-}
-
 /// Create a session (its own buffers and KV cache) over the model's weights; on success
 /// `*out_session` receives it. Sessions are independent of each other and of the model's
 /// default session, so N threads with N sessions run concurrently over one copy of the weights.
 ///
 /// Ownership: the caller owns the session and frees it with `tl_session_free`; it keeps the
-/// weights alive even after `tl_close` / `tl_model_free` of the model. Threads: any thread,
+/// weights alive even after `tl_close` / `tl_model_free` of the model (but prefix caches and
+/// resume handles can then no longer be built on it, or used). Threads: any thread,
 /// concurrently with other calls on the model.
 ///
 /// # Safety
@@ -461,11 +343,20 @@ pub unsafe extern "C" fn tl_session_new(
     out_session: *mut *mut super::tl_session,
 ) -> tl_status {
     boundary("tl_session_new", || {
-        let m = model_of(model, "tl_session_new")?;
+        let open = MODELS.get(model, "tl_session_new")?;
+        let m = open.model("tl_session_new")?;
         non_null(out_session, "out_session")?;
-        let session = super::session::new_handle(m.new_session()?)?;
+        let session = super::session::new_handle(m.new_session()?, Arc::downgrade(&open))?;
         // SAFETY: non-NULL and writable by the caller's contract.
         unsafe { write_out(out_session, session) };
         Ok(())
     })
+}
+
+/// How many prefix caches and resume handles are bound to an open model.
+#[cfg(test)]
+pub(super) fn bound_len(model: *const tl_model) -> usize {
+    let open = MODELS.get(model, "bound_len").unwrap();
+    let bound = open.bound.lock().unwrap();
+    bound.as_ref().map_or(0, |set| set.len())
 }

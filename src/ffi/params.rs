@@ -3,8 +3,12 @@
 
 use std::ffi::c_char;
 
+use super::bound::tl_prefix_cache;
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
-use crate::{Device, GenerateParams, KvMode, ModelOptions, SamplingParams};
+use crate::{
+    Device, GenerateParams, GenerateStats, KvMode, ModelOptions, SamplingParams, Speculation,
+    TrajectoryPoint,
+};
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
 #[repr(C)]
@@ -38,8 +42,10 @@ pub struct tl_model_params {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct tl_generate_params {
-    /// `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. Smaller values are
-    /// rejected; larger values are accepted and the extra bytes ignored.
+    /// `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. The size of this
+    /// struct in an earlier version of this header is accepted too (the fields added since take
+    /// their defaults); other smaller values are rejected; larger values are accepted and the
+    /// extra bytes ignored.
     pub struct_size: usize,
     /// Tokens to generate, >= 1. Default 128. The output buffer must hold this many.
     pub max_tokens: u32,
@@ -61,6 +67,73 @@ pub struct tl_generate_params {
     pub stop_tokens: *const i32,
     /// Number of entries in `stop_tokens`. Default 0.
     pub n_stop_tokens: usize,
+    /// Generate after the prefix held by this cache (from `tl_prefix_cache_new` on the same
+    /// model, built at the same loops): the same tokens as generating from the prefix followed
+    /// by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
+    /// and their session forms; the other generation functions reject a non-NULL value.
+    pub prefix_cache: *const tl_prefix_cache,
+}
+
+/// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
+/// `draft_loops`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct tl_speculative_params {
+    /// `sizeof(tl_speculative_params)`; set by `tl_speculative_default_params`. Smaller values
+    /// are rejected; larger values are accepted and the extra bytes ignored.
+    pub struct_size: usize,
+    /// Loop iterations of the draft steps, 1..verify_loops-1 (the verify loops are
+    /// `tl_generate_params.loops`). No default: 0, which is rejected, until set.
+    pub draft_loops: u32,
+    /// Tokens drafted per round, 1..=TL_MAX_DRAFT_LEN. Default 4.
+    pub draft_len: u32,
+    /// Verify from the draft's KV entries and hidden state (true, the default), or recompute
+    /// every block application in the verify pass (false: the baseline without reuse). The
+    /// tokens are the same either way.
+    pub reuse: bool,
+}
+
+/// One loop iteration of the last position, as `tl_score_trajectory` reports it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct tl_trajectory_point {
+    /// L2 norm of the residual stream after the iteration.
+    pub hidden_norm: f64,
+    /// ||h_i - h_{i-1}|| / ||h_{i-1}|| (h_0: the stream entering the loop).
+    pub rel_change: f64,
+    /// KL(p_i || p_{i-1}) in nats between the next-token distributions read out after this
+    /// iteration and the one before; 0 for the first.
+    pub kl_prev: f64,
+    /// Entropy of p_i in bits.
+    pub entropy: f64,
+    /// The most likely token of p_i.
+    pub argmax: i32,
+}
+
+/// What the last successful generation call on a model's default session or a session did,
+/// filled by `tl_last_generate_stats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct tl_generate_stats {
+    /// Set to `sizeof(tl_generate_stats)` by the caller before `tl_last_generate_stats`. Fields
+    /// may be added at the end in later versions; the size of this struct in any earlier
+    /// version of this header stays accepted (the library then writes only those fields).
+    pub struct_size: usize,
+    /// Tokens returned.
+    pub tokens: usize,
+    /// Milliseconds from the call's start to the first token (prefill, or restoring a handle).
+    pub prefill_ms: f64,
+    /// Milliseconds from the first token to the end.
+    pub decode_ms: f64,
+    /// Speculative calls: tokens drafted.
+    pub drafted: usize,
+    /// Speculative calls: drafted tokens the verify pass accepted.
+    pub accepted: usize,
+    /// `accepted / drafted` (0 without drafts).
+    pub acceptance_rate: f64,
+    /// The share of drafted positions where the draft's argmax equals the verify pass's (0
+    /// without drafts).
+    pub agreement: f64,
 }
 
 /// Static architecture of a model, filled by `tl_model_config`.
@@ -123,6 +196,16 @@ fn default_generate_params() -> tl_generate_params {
         seed: d.sampling.seed,
         stop_tokens: std::ptr::null(),
         n_stop_tokens: 0,
+        prefix_cache: std::ptr::null(),
+    }
+}
+
+fn default_speculative_params() -> tl_speculative_params {
+    tl_speculative_params {
+        struct_size: std::mem::size_of::<tl_speculative_params>(),
+        draft_loops: 0,
+        draft_len: 4,
+        reuse: true,
     }
 }
 
@@ -251,19 +334,29 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
     })
 }
 
-/// Convert generate params (NULL = defaults) to [`GenerateParams`].
+/// Convert generate params (NULL = defaults) to [`GenerateParams`] and the prefix cache handle
+/// they name (NULL for none; resolved by the caller).
 ///
 /// # Safety
 /// `params` must be NULL or point to a `tl_generate_params` of at least its `struct_size`
 /// bytes, whose `stop_tokens` is valid for `n_stop_tokens` reads.
 pub(crate) unsafe fn generate_params(
     params: *const tl_generate_params,
-) -> FfiResult<GenerateParams> {
+) -> FfiResult<(GenerateParams, *const tl_prefix_cache)> {
     let p = if params.is_null() {
         default_generate_params()
     } else {
-        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes.
-        unsafe { read_versioned(params, default_generate_params(), &[], "tl_generate_params") }?
+        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
+        // header ended before `prefix_cache`.
+        let v1 = std::mem::offset_of!(tl_generate_params, prefix_cache);
+        unsafe {
+            read_versioned(
+                params,
+                default_generate_params(),
+                &[v1],
+                "tl_generate_params",
+            )
+        }?
     };
     // SAFETY: the caller's contract covers stop_tokens / n_stop_tokens.
     let stop_tokens = unsafe {
@@ -277,7 +370,7 @@ pub(crate) unsafe fn generate_params(
     if p.max_tokens == 0 {
         return Err(Failure::invalid("max_tokens must be >= 1"));
     }
-    Ok(GenerateParams {
+    let params = GenerateParams {
         max_tokens: p.max_tokens as usize,
         loops: loops_arg(p.loops)?,
         sampling: SamplingParams {
@@ -287,7 +380,95 @@ pub(crate) unsafe fn generate_params(
             seed: p.seed,
         },
         stop_tokens,
+    };
+    Ok((params, p.prefix_cache))
+}
+
+/// Convert speculative params (NULL = defaults) to a [`Speculation`]; the engine checks the
+/// values against the verify loops.
+///
+/// # Safety
+/// `params` must be NULL or point to a `tl_speculative_params` of at least its `struct_size`
+/// bytes.
+pub(crate) unsafe fn speculation(params: *const tl_speculative_params) -> FfiResult<Speculation> {
+    let p = if params.is_null() {
+        default_speculative_params()
+    } else {
+        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes.
+        unsafe {
+            read_versioned(
+                params,
+                default_speculative_params(),
+                &[],
+                "tl_speculative_params",
+            )
+        }?
+    };
+    Ok(Speculation {
+        draft_loops: p.draft_loops as usize,
+        draft_len: p.draft_len as usize,
+        reuse: p.reuse,
     })
+}
+
+impl From<&TrajectoryPoint> for tl_trajectory_point {
+    fn from(p: &TrajectoryPoint) -> Self {
+        tl_trajectory_point {
+            hidden_norm: p.hidden_norm,
+            rel_change: p.rel_change,
+            kl_prev: p.kl_prev,
+            entropy: p.entropy,
+            // Tokens are < vocab_size <= i32::MAX (checked at load).
+            argmax: p.argmax as i32,
+        }
+    }
+}
+
+impl tl_generate_stats {
+    pub(crate) fn new(s: &GenerateStats) -> Self {
+        tl_generate_stats {
+            struct_size: std::mem::size_of::<tl_generate_stats>(),
+            tokens: s.tokens,
+            prefill_ms: s.prefill_ms,
+            decode_ms: s.decode_ms,
+            drafted: s.drafted,
+            accepted: s.accepted,
+            acceptance_rate: s.acceptance_rate(),
+            agreement: s.agreement(),
+        }
+    }
+}
+
+/// Write an out-struct whose caller set its `struct_size`: this version's size or larger (the
+/// extra bytes untouched), or the size of an earlier version (only that version's fields are
+/// written); `struct_size` itself is left as the caller set it.
+///
+/// # Safety
+/// `out` must be non-NULL and valid for reads of its first field and writes of its
+/// `struct_size` bytes; `T` must start with the `usize` `struct_size`.
+pub(crate) unsafe fn write_versioned<T: Copy>(
+    out: *mut T,
+    value: T,
+    earlier: &[usize],
+    what: &str,
+) -> FfiResult {
+    // SAFETY: struct_size is the first field of every version; the caller's contract.
+    let size = unsafe { (out as *const usize).read() };
+    let ours = std::mem::size_of::<T>();
+    if size < ours && !earlier.contains(&size) {
+        check_size(size, ours, what)?;
+    }
+    let skip = std::mem::size_of::<usize>();
+    // SAFETY: `size.min(ours)` bytes are writable at `out` (the caller's contract) and readable
+    // in `value`; every earlier size ends at a field boundary, so no field is written in part.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (&value as *const T as *const u8).add(skip),
+            (out as *mut u8).add(skip),
+            size.min(ours) - skip,
+        )
+    };
+    Ok(())
 }
 
 /// Fill `*params` with the defaults of this library version (including `struct_size`).
@@ -307,7 +488,7 @@ pub unsafe extern "C" fn tl_model_default_params(params: *mut tl_model_params) -
 }
 
 /// Fill `*params` with the defaults of this library version (including `struct_size`): greedy,
-/// max_tokens 128, loops TL_LOOPS_DEFAULT, no stop tokens.
+/// max_tokens 128, loops TL_LOOPS_DEFAULT, no stop tokens, no prefix cache.
 ///
 /// Ownership: the caller owns `*params` and the stop-token array it may point to later.
 /// Threads: any thread.
@@ -324,14 +505,23 @@ pub unsafe extern "C" fn tl_generate_default_params(params: *mut tl_generate_par
     })
 }
 
-/// Check the `struct_size` of a config out-struct before writing it.
+/// Fill `*params` with the defaults of this library version (including `struct_size`):
+/// draft_len 4, reuse true, and draft_loops 0, which the caller must set.
+///
+/// Ownership: the caller owns `*params`. Threads: any thread.
 ///
 /// # Safety
-/// `config` must be non-NULL and valid for reads of its first field.
-pub(crate) unsafe fn check_config_size(config: *const tl_config) -> FfiResult {
-    // SAFETY: caller's contract.
-    let size = unsafe { std::ptr::addr_of!((*config).struct_size).read() };
-    check_size(size, std::mem::size_of::<tl_config>(), "tl_config")
+/// `params` must be NULL or valid for a write of `tl_speculative_params`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_speculative_default_params(
+    params: *mut tl_speculative_params,
+) -> tl_status {
+    super::boundary("tl_speculative_default_params", || {
+        super::non_null(params, "params")?;
+        // SAFETY: non-NULL and writable by the caller's contract.
+        unsafe { super::write_out(params, default_speculative_params()) };
+        Ok(())
+    })
 }
 
 /// Check an output buffer `(out, cap, len)` against the length a call needs, before any work.

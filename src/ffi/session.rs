@@ -1,12 +1,12 @@
-//! `tl_session`: one sequence's buffers and KV cache over a shared model, and the operations
-//! shared by sessions and the model's default session.
+//! `tl_session`: one sequence's buffers and KV cache over a shared model, and the slot that
+//! serializes the calls on a session (a `tl_session`, or a model's default session).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 
 use super::handles::{Kind, Lookup, Table};
-use super::params::tl_generate_params;
+use super::model::OpenModel;
 use super::{
     boundary, boundary_void, enter_cancelling, held_by_this_thread, tl_status, try_enter, Failure,
     FfiResult,
@@ -38,16 +38,29 @@ pub(crate) struct SessionSlot {
     released: AtomicBool,
     /// The handle kind whose calls run here (for messages).
     kind: Kind,
+    /// The model handle the session was made from: the prefix caches and resume handles built
+    /// on the session are bound to it.
+    owner: Weak<OpenModel>,
 }
 
 impl SessionSlot {
-    pub fn new(session: Session, kind: Kind) -> SessionSlot {
+    pub fn new(session: Session, kind: Kind, owner: Weak<OpenModel>) -> SessionSlot {
         SessionSlot {
             cancel: session.cancel_handle(),
             session: Mutex::new(Some(session)),
             released: AtomicBool::new(false),
             kind,
+            owner,
         }
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The model handle the session was made from, unless it is closed.
+    pub fn owner(&self) -> Option<Arc<OpenModel>> {
+        self.owner.upgrade()
     }
 
     pub fn is_released(&self) -> bool {
@@ -55,9 +68,10 @@ impl SessionSlot {
     }
 
     fn what(&self) -> &'static str {
-        match self.kind {
-            Kind::Model => "the model's default session",
-            Kind::Session => "the session",
+        if self.kind == Kind::Model {
+            "the model's default session"
+        } else {
+            "the session"
         }
     }
 
@@ -106,152 +120,14 @@ impl SessionSlot {
     }
 }
 
-/// Register a new session and return its handle.
-pub(crate) fn new_handle(session: Session) -> FfiResult<*mut tl_session> {
-    SESSIONS.insert(SessionSlot::new(session, Kind::Session))
+/// Register a new session made from the model handle `owner` and return its handle.
+pub(crate) fn new_handle(session: Session, owner: Weak<OpenModel>) -> FfiResult<*mut tl_session> {
+    SESSIONS.insert(SessionSlot::new(session, Kind::Session, owner))
 }
 
-/// Run `f`, the body of `func`, on the session behind a handle.
-fn with_session<R>(
-    session: *const tl_session,
-    func: &str,
-    f: impl FnOnce(&mut Session) -> FfiResult<R>,
-) -> FfiResult<R> {
-    SESSIONS.get(session, func)?.run(func, f)
-}
-
-/// The operations behind both the model-handle and the session-handle entry points.
-pub(crate) mod ops {
-    use std::ffi::c_void;
-
-    use super::super::params::{
-        check_buffer, generate_params, loops_arg, prompt_arg, tl_generate_params, write_buffer,
-    };
-    use super::super::{Failure, FfiResult};
-    use super::tl_token_callback;
-    use crate::Session;
-
-    /// # Safety
-    /// Pointer arguments as documented on `tl_generate`.
-    pub(crate) unsafe fn generate(
-        s: &mut Session,
-        tokens: *const i32,
-        n_tokens: usize,
-        params: *const tl_generate_params,
-        out: *mut i32,
-        cap: usize,
-        len: *mut usize,
-    ) -> FfiResult {
-        // SAFETY: forwarded contract.
-        let prompt = unsafe { prompt_arg(tokens, n_tokens) }?;
-        // SAFETY: forwarded contract.
-        let params = unsafe { generate_params(params) }?;
-        // SAFETY: forwarded contract.
-        unsafe { check_buffer(out, cap, len, params.max_tokens) }?;
-        let generated = s.generate(&prompt, &params)?;
-        // Tokens are < vocab_size <= i32::MAX (checked at load), so the cast is exact.
-        let generated: Vec<i32> = generated.into_iter().map(|t| t as i32).collect();
-        // SAFETY: checked by check_buffer: cap >= max_tokens >= generated.len().
-        unsafe { write_buffer(out, &generated, len) };
-        Ok(())
-    }
-
-    /// # Safety
-    /// Pointer arguments as documented on `tl_generate_stream`.
-    pub(crate) unsafe fn generate_stream(
-        s: &mut Session,
-        tokens: *const i32,
-        n_tokens: usize,
-        params: *const tl_generate_params,
-        callback: tl_token_callback,
-        user_data: *mut c_void,
-    ) -> FfiResult {
-        // SAFETY: forwarded contract.
-        let prompt = unsafe { prompt_arg(tokens, n_tokens) }?;
-        // SAFETY: forwarded contract.
-        let params = unsafe { generate_params(params) }?;
-        let callback = callback.ok_or_else(|| Failure::invalid("callback is NULL"))?;
-        let mut on_token = |t: u32| {
-            // SAFETY: the caller guarantees the callback may be called with user_data.
-            unsafe { callback(t as i32, user_data) }
-        };
-        s.generate_stream(&prompt, &params, &mut on_token)?;
-        Ok(())
-    }
-
-    /// # Safety
-    /// Pointer arguments as documented on `tl_score_last`.
-    pub(crate) unsafe fn score_last(
-        s: &mut Session,
-        tokens: *const i32,
-        n_tokens: usize,
-        loops: i32,
-        out: *mut f32,
-        cap: usize,
-        len: *mut usize,
-    ) -> FfiResult {
-        // SAFETY: forwarded contract.
-        let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
-        let loops = loops_arg(loops)?;
-        let vocab = s.config().vocab_size;
-        // SAFETY: forwarded contract.
-        unsafe { check_buffer(out, cap, len, vocab) }?;
-        let logits = s.score_last(&tokens, loops)?;
-        // SAFETY: cap >= vocab == logits.len().
-        unsafe { write_buffer(out, &logits, len) };
-        Ok(())
-    }
-
-    /// # Safety
-    /// Pointer arguments as documented on `tl_session_score`.
-    pub(crate) unsafe fn score(
-        s: &mut Session,
-        tokens: *const i32,
-        n_tokens: usize,
-        loops: i32,
-        out: *mut f32,
-        cap: usize,
-        len: *mut usize,
-    ) -> FfiResult {
-        // SAFETY: forwarded contract.
-        let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
-        let loops = loops_arg(loops)?;
-        let required = tokens
-            .len()
-            .checked_mul(s.config().vocab_size)
-            .ok_or_else(|| Failure::invalid("n_tokens * vocab_size overflows"))?;
-        // SAFETY: forwarded contract.
-        unsafe { check_buffer(out, cap, len, required) }?;
-        let logits = s.score(&tokens, loops)?;
-        // SAFETY: cap >= n * vocab == logits.len().
-        unsafe { write_buffer(out, &logits, len) };
-        Ok(())
-    }
-
-    /// # Safety
-    /// Pointer arguments as documented on `tl_session_logprobs`.
-    pub(crate) unsafe fn logprobs(
-        s: &mut Session,
-        tokens: *const i32,
-        n_tokens: usize,
-        loops: i32,
-        out: *mut f32,
-        cap: usize,
-        len: *mut usize,
-    ) -> FfiResult {
-        // SAFETY: forwarded contract.
-        let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
-        let loops = loops_arg(loops)?;
-        if tokens.len() < 2 {
-            return Err(Failure::invalid("logprobs needs at least 2 tokens"));
-        }
-        // SAFETY: forwarded contract.
-        unsafe { check_buffer(out, cap, len, tokens.len() - 1) }?;
-        let lp = s.logprobs(&tokens, loops)?;
-        // SAFETY: cap >= n - 1 == lp.len().
-        unsafe { write_buffer(out, &lp, len) };
-        Ok(())
-    }
+/// The session behind a handle that `func` was called on.
+pub(super) fn session(session: *const tl_session, func: &str) -> FfiResult<Arc<SessionSlot>> {
+    SESSIONS.get(session, func)
 }
 
 /// Free a session: new calls on it get `TL_ERR_CLOSED` at once, a call running on it from
@@ -293,132 +169,5 @@ pub extern "C" fn tl_session_cancel(session: *const tl_session) -> tl_status {
             slot.cancel();
             Ok(())
         }
-    })
-}
-
-/// `tl_generate` on a session: up to `params->max_tokens` new tokens after the prompt into
-/// `out[0..*len]` (`cap` >= max_tokens, else `TL_ERR_BUFFER_TOO_SMALL` with `*len =
-/// max_tokens`). `TL_ERR_BUSY` when another call on this session is running.
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
-///
-/// # Safety
-/// Pointers other than `session` as `tl_generate`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_session_generate(
-    session: *const tl_session,
-    tokens: *const i32,
-    n_tokens: usize,
-    params: *const tl_generate_params,
-    out: *mut i32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_session_generate", || {
-        with_session(session, "tl_session_generate", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::generate(s, tokens, n_tokens, params, out, cap, len) }
-        })
-    })
-}
-
-/// `tl_generate_stream` on a session: `callback(token, user_data)` per new token on the calling
-/// thread; false stops early (TL_OK). The callback may call `tl_session_cancel`; any other call
-/// on this session from inside it returns `TL_ERR_BUSY`.
-///
-/// Ownership: `user_data` is passed through. Threads: any thread; one call at a time per
-/// session.
-///
-/// # Safety
-/// Arguments other than `session` as `tl_generate_stream`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_session_generate_stream(
-    session: *const tl_session,
-    tokens: *const i32,
-    n_tokens: usize,
-    params: *const tl_generate_params,
-    callback: tl_token_callback,
-    user_data: *mut c_void,
-) -> tl_status {
-    boundary("tl_session_generate_stream", || {
-        with_session(session, "tl_session_generate_stream", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::generate_stream(s, tokens, n_tokens, params, callback, user_data) }
-        })
-    })
-}
-
-/// `tl_score_last` on a session: logits `[vocab_size]` at the last position into
-/// `out[0..*len]`.
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
-///
-/// # Safety
-/// Pointers other than `session` as `tl_score_last`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_session_score_last(
-    session: *const tl_session,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_session_score_last", || {
-        with_session(session, "tl_session_score_last", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::score_last(s, tokens, n_tokens, loops, out, cap, len) }
-        })
-    })
-}
-
-/// Logits `[n_tokens, vocab_size]` (row-major) for every position, into `out[0..*len]`; `cap`
-/// must be >= n_tokens * vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`.
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
-///
-/// # Safety
-/// `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
-#[no_mangle]
-pub unsafe extern "C" fn tl_session_score(
-    session: *const tl_session,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_session_score", || {
-        with_session(session, "tl_session_score", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::score(s, tokens, n_tokens, loops, out, cap, len) }
-        })
-    })
-}
-
-/// `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1, into `out[0..*len]` (n_tokens
-/// >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
-///
-/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
-///
-/// # Safety
-/// As `tl_session_score`.
-#[no_mangle]
-pub unsafe extern "C" fn tl_session_logprobs(
-    session: *const tl_session,
-    tokens: *const i32,
-    n_tokens: usize,
-    loops: i32,
-    out: *mut f32,
-    cap: usize,
-    len: *mut usize,
-) -> tl_status {
-    boundary("tl_session_logprobs", || {
-        with_session(session, "tl_session_logprobs", |s| {
-            // SAFETY: caller's contract, forwarded.
-            unsafe { ops::logprobs(s, tokens, n_tokens, loops, out, cap, len) }
-        })
     })
 }

@@ -10,6 +10,7 @@
  * Prints one line per check and "abi_test: N passed, M failed"; exit status 1 on any failure.
  */
 #include <math.h>
+#include <stddef.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -822,6 +823,369 @@ static void test_concurrent_sessions(void) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* The looped-model calls: their equalities through the C ABI, and their bad-input rows.     */
+
+static const int32_t PREFIX[] = {84, 111, 32, 98, 101, 32, 111, 114, 32, 110, 111, 116, 32}; /* "To be or not " */
+#define N_PREFIX (sizeof PREFIX / sizeof PREFIX[0])
+
+static int same_tokens(const int32_t *a, size_t la, const int32_t *b, size_t lb) {
+    return la == lb && la > 0 && memcmp(a, b, la * sizeof *a) == 0;
+}
+
+static int argmax_of(const float *row, size_t n) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (row[i] > row[best]) best = i;
+    return (int)best;
+}
+
+static void test_logit_lens_and_trajectory(tl_model *m, tl_session *s) {
+    static float lens[6 * 256], shorter[3 * 256], last[256];
+    size_t len = 0;
+    EXPECT(tl_score_logit_lens(m, PROMPT, N_PROMPT, 6, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_score_logit_lens size query");
+    CHECK(len == 6 * 256, "  ... *len = loops * vocab_size");
+    EXPECT(tl_score_logit_lens(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_score_logit_lens size query at TL_LOOPS_DEFAULT");
+    CHECK(len == 4 * 256, "  ... *len = default_loops (4) * vocab_size");
+    EXPECT(tl_score_logit_lens(m, PROMPT, N_PROMPT, 65, NULL, 0, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_logit_lens loops above max_loops (before sizing)");
+    EXPECT(tl_score_logit_lens(m, PROMPT, N_PROMPT, 6, lens, 6 * 256, &len), TL_OK, "tl_score_logit_lens at 6 loops");
+    int rows_equal = len == 6 * 256;
+    for (int l = 1; l <= 6; l++) {
+        rows_equal = rows_equal && tl_score_last(m, PROMPT, N_PROMPT, l, last, 256, &len) == TL_OK &&
+                     memcmp(lens + (l - 1) * 256, last, sizeof last) == 0;
+    }
+    CHECK(rows_equal, "  ... row L == tl_score_last at L loops (bitwise), L = 1..6");
+    EXPECT(tl_session_score_logit_lens(s, PROMPT, N_PROMPT, 3, shorter, 3 * 256, &len), TL_OK, "tl_session_score_logit_lens at 3 loops");
+    CHECK(len == 3 * 256 && memcmp(lens, shorter, sizeof shorter) == 0, "  ... the first 3 rows at 6 loops are the rows at 3 (bitwise)");
+
+    tl_trajectory_point path[6], path3[3];
+    EXPECT(tl_score_trajectory(m, PROMPT, N_PROMPT, 6, path, 5, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_score_trajectory cap < loops");
+    CHECK(len == 6, "  ... *len = loops (6)");
+    EXPECT(tl_score_trajectory(m, PROMPT, N_PROMPT, 6, path, 6, &len), TL_OK, "tl_score_trajectory at 6 loops");
+    int points_ok = len == 6 && path[0].kl_prev == 0.0;
+    for (int i = 0; i < 6; i++) {
+        points_ok = points_ok && path[i].argmax == argmax_of(lens + i * 256, 256) &&
+                    path[i].hidden_norm > 0 && isfinite(path[i].hidden_norm) &&
+                    path[i].rel_change > 0 && isfinite(path[i].rel_change) &&
+                    path[i].entropy >= 0 && path[i].entropy <= 8.0 && path[i].kl_prev >= 0;
+    }
+    /* Entropy of a distribution over 256 tokens is at most log2(256) = 8 bits. */
+    CHECK(points_ok, "  ... argmax of each point == argmax of its lens row; kl_prev[0] 0; finite norms; entropy in [0, 8] bits");
+    EXPECT(tl_session_score_trajectory(s, PROMPT, N_PROMPT, 3, path3, 3, &len), TL_OK, "tl_session_score_trajectory at 3 loops");
+    int prefix_ok = len == 3;
+    for (int i = 0; i < 3; i++)
+        prefix_ok = prefix_ok && path3[i].hidden_norm == path[i].hidden_norm &&
+                    path3[i].rel_change == path[i].rel_change && path3[i].kl_prev == path[i].kl_prev &&
+                    path3[i].entropy == path[i].entropy && path3[i].argmax == path[i].argmax;
+    CHECK(prefix_ok, "  ... the first 3 points at 6 loops are the points at 3 (exactly)");
+    EXPECT(tl_score_trajectory(m, PROMPT, N_PROMPT, 0, path, 6, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_trajectory loops 0");
+    EXPECT(tl_session_score_trajectory(s, NULL, N_PROMPT, 3, path3, 3, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_score_trajectory tokens NULL");
+}
+
+static void test_speculative(tl_model *m, tl_session *s) {
+    tl_generate_params gp = gen_params(24);
+    gp.loops = 4;
+    int32_t plain[32], out[32];
+    size_t lp = 0, lo = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, plain, 32, &lp), TL_OK, "plain greedy generate at 4 loops");
+    tl_generate_stats st;
+    st.struct_size = sizeof st;
+    EXPECT(tl_last_generate_stats(m, &st), TL_OK, "tl_last_generate_stats after tl_generate");
+    CHECK(st.tokens == lp && st.drafted == 0 && st.accepted == 0 && st.acceptance_rate == 0.0 && st.prefill_ms >= 0 && st.decode_ms >= 0,
+          "  ... tokens == returned, no drafts, times >= 0");
+
+    tl_speculative_params sp;
+    EXPECT(tl_speculative_default_params(&sp), TL_OK, "tl_speculative_default_params");
+    CHECK(sp.struct_size == sizeof sp && sp.draft_loops == 0 && sp.draft_len == 4 && sp.reuse, "  ... draft_loops 0 (unset), draft_len 4, reuse");
+    EXPECT(tl_speculative_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_speculative_default_params(NULL)");
+    int all_equal = 1, stats_ok = 1, runs = 0;
+    const uint32_t drafts[] = {1, 3}, lens[] = {1, 4, TL_MAX_DRAFT_LEN};
+    for (int d = 0; d < 2; d++)
+        for (int k = 0; k < 3; k++)
+            for (int reuse = 0; reuse < 2; reuse++) {
+                sp.draft_loops = drafts[d];
+                sp.draft_len = lens[k];
+                sp.reuse = reuse;
+                tl_status status = tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo);
+                all_equal = all_equal && status == TL_OK && same_tokens(out, lo, plain, lp);
+                st.struct_size = sizeof st;
+                stats_ok = stats_ok && tl_last_generate_stats(m, &st) == TL_OK && st.tokens == lo &&
+                           st.drafted > 0 && st.accepted <= st.drafted &&
+                           st.acceptance_rate == (double)st.accepted / (double)st.drafted &&
+                           st.agreement >= st.acceptance_rate && st.agreement <= 1.0;
+                runs++;
+            }
+    CHECK(all_equal && runs == 12, "tl_generate_speculative greedy == tl_generate at the verify loops (draft 1, 3; len 1, 4, 15; reuse on and off)");
+    /* Greedily, a draft is accepted exactly when its argmax agrees, until the first disagreement. */
+    CHECK(stats_ok, "  ... stats: tokens, drafted > 0, accepted <= drafted, rate = accepted / drafted <= agreement <= 1");
+    sp.draft_loops = 2;
+    sp.draft_len = 4;
+    sp.reuse = true;
+    EXPECT(tl_session_generate_speculative(s, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_OK, "tl_session_generate_speculative");
+    CHECK(same_tokens(out, lo, plain, lp), "  ... == tl_generate");
+    st.struct_size = sizeof st;
+    EXPECT(tl_session_last_generate_stats(s, &st), TL_OK, "tl_session_last_generate_stats");
+    CHECK(st.tokens == lo && st.drafted > 0, "  ... the session's own statistics");
+
+    /* Bad input rows. */
+    size_t untouched = 777;
+    lo = untouched;
+    sp.draft_loops = 4;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "draft_loops == verify_loops");
+    CHECK(strstr(tl_last_error_message(), "draft_loops") != NULL && lo == untouched, "  ... message names draft_loops; *len unwritten");
+    sp.draft_loops = 5;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "draft_loops > verify_loops");
+    sp.draft_loops = 0;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "draft_loops 0");
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, NULL, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "tl_generate_speculative spec NULL (defaults: draft_loops unset)");
+    sp.draft_loops = 2;
+    sp.draft_len = 0;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "draft_len 0");
+    sp.draft_len = TL_MAX_DRAFT_LEN + 1;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "draft_len above TL_MAX_DRAFT_LEN (16)");
+    CHECK(strstr(tl_last_error_message(), "draft_len") != NULL, "  ... message names draft_len");
+    sp.draft_len = 4;
+    sp.struct_size = 4;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "tl_speculative_params.struct_size too small");
+    sp.struct_size = sizeof sp;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 23, &lo), TL_ERR_BUFFER_TOO_SMALL, "tl_generate_speculative cap < max_tokens");
+    CHECK(lo == 24, "  ... *len = max_tokens (24)");
+    EXPECT(tl_generate_speculative(NULL, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "tl_generate_speculative model NULL");
+    EXPECT(tl_session_generate_speculative(NULL, PROMPT, N_PROMPT, &gp, &sp, out, 32, &lo), TL_ERR_INVALID_ARGUMENT, "tl_session_generate_speculative session NULL");
+    EXPECT(tl_last_generate_stats(m, NULL), TL_ERR_INVALID_ARGUMENT, "tl_last_generate_stats out NULL");
+    st.struct_size = 8;
+    EXPECT(tl_last_generate_stats(m, &st), TL_ERR_INVALID_ARGUMENT, "tl_generate_stats.struct_size too small");
+}
+
+static void test_prefix_cache(tl_model *m, tl_session *s) {
+    int32_t whole[N_PREFIX + N_PROMPT];
+    memcpy(whole, PREFIX, sizeof PREFIX);
+    memcpy(whole + N_PREFIX, PROMPT, sizeof PROMPT);
+    tl_generate_params gp = gen_params(12);
+    gp.loops = 3;
+    int32_t expected[16], out[16];
+    size_t le = 0, lo = 0;
+    /* The default session's KV slots for 3 loops exist from here on, so only the cache adds. */
+    EXPECT(tl_generate(m, whole, N_PREFIX + N_PROMPT, &gp, expected, 16, &le), TL_OK, "generate from prefix + prompt at 3 loops");
+    double before = 0, after = 0, cache_mb = 0;
+    tl_vram_usage_mb(m, &before);
+    tl_prefix_cache *cache = NULL;
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, 3, &cache), TL_OK, "tl_prefix_cache_new at 3 loops");
+    EXPECT(tl_prefix_cache_memory_mb(cache, &cache_mb), TL_OK, "tl_prefix_cache_memory_mb");
+    tl_vram_usage_mb(m, &after);
+    /* Both sides are byte counts / 1e6 in double: equal to well below one byte (1e-6 MB). */
+    CHECK(cache_mb > 0 && fabs(after - before - cache_mb) < 1e-6, "  ... its bytes count in tl_vram_usage_mb");
+    gp.prefix_cache = cache;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_OK, "tl_generate with the prefix cache");
+    CHECK(same_tokens(out, lo, expected, le), "  ... == tl_generate(prefix + prompt)");
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_OK, "tl_session_generate with the model's prefix cache");
+    CHECK(same_tokens(out, lo, expected, le), "  ... == tl_generate(prefix + prompt)");
+    tl_session *other = NULL;
+    tl_session_new(m, &other);
+    gen_job jobs[2];
+    memset(jobs, 0, sizeof jobs);
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) {
+        jobs[i].session = i == 0 ? s : other;
+        jobs[i].prompt = PROMPT;
+        jobs[i].n_prompt = N_PROMPT;
+        jobs[i].params = gp;
+        pthread_create(&t[i], NULL, gen_thread, &jobs[i]);
+    }
+    for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+    CHECK(jobs[0].status == TL_OK && jobs[1].status == TL_OK && same_tokens(jobs[0].out, jobs[0].len, expected, le) &&
+              same_tokens(jobs[1].out, jobs[1].len, expected, le),
+          "two threads, two sessions, one prefix cache at once: both == tl_generate(prefix + prompt)");
+    tl_session_free(other);
+
+    tl_prefix_cache *built_on_session = NULL;
+    EXPECT(tl_session_prefix_cache_new(s, PREFIX, N_PREFIX, 3, &built_on_session), TL_OK, "tl_session_prefix_cache_new");
+    gp.prefix_cache = built_on_session;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_OK, "tl_generate with a cache built on a session");
+    CHECK(same_tokens(out, lo, expected, le), "  ... == tl_generate(prefix + prompt)");
+    tl_prefix_cache_free(built_on_session);
+
+    /* Bad input rows. */
+    gp.prefix_cache = cache;
+    gp.loops = 4;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_ERR_INVALID_ARGUMENT, "prefix cache built at other loops (3) than the generation's (4)");
+    CHECK(strstr(tl_last_error_message(), "built at loops 3") != NULL, "  ... message names the cache's loops");
+    gp.loops = 3;
+    tl_speculative_params sp;
+    tl_speculative_default_params(&sp);
+    sp.draft_loops = 1;
+    EXPECT(tl_generate_speculative(m, PROMPT, N_PROMPT, &gp, &sp, out, 16, &lo), TL_ERR_INVALID_ARGUMENT, "tl_generate_speculative with a prefix cache");
+    tl_model *m2 = open_model(256);
+    EXPECT(tl_generate(m2, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_ERR_INVALID_ARGUMENT, "a prefix cache from another model");
+    CHECK(strstr(tl_last_error_message(), "belongs to another model") != NULL, "  ... message says it belongs to another model");
+    gp.prefix_cache = (const tl_prefix_cache *)s;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_ERR_INVALID_ARGUMENT, "a tl_session passed as a prefix cache");
+    CHECK(strstr(tl_last_error_message(), "prefix_cache is a tl_session handle") != NULL, "  ... message says so");
+    tl_prefix_cache *unwritten = (tl_prefix_cache *)&gp;
+    EXPECT(tl_prefix_cache_new(m, PREFIX, 0, 3, &unwritten), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new empty prefix");
+    CHECK(unwritten == (tl_prefix_cache *)&gp, "  ... *out_cache unwritten");
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, 3, NULL), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new out_cache NULL");
+    EXPECT(tl_prefix_cache_new(NULL, PREFIX, N_PREFIX, 3, &unwritten), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new model NULL");
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, 65, &unwritten), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new loops above max_loops");
+    EXPECT(tl_prefix_cache_memory_mb(cache, NULL), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_memory_mb out_mb NULL");
+    EXPECT(tl_prefix_cache_memory_mb(NULL, &cache_mb), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_memory_mb cache NULL");
+
+    /* Freed: every use is TL_ERR_CLOSED, freeing again is a no-op, its bytes are released. */
+    tl_prefix_cache_free(cache);
+    tl_vram_usage_mb(m, &after);
+    CHECK(fabs(after - before) < 1e-6, "tl_prefix_cache_free releases its bytes");
+    gp.prefix_cache = cache;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_ERR_CLOSED, "a freed prefix cache passed again");
+    CHECK(strstr(tl_last_error_message(), "tl_generate called with a prefix cache that was freed") != NULL, "  ... message names the function and says freed");
+    tl_prefix_cache_free(cache);
+    tl_prefix_cache_free(NULL);
+    EXPECT(tl_prefix_cache_memory_mb(cache, &cache_mb), TL_ERR_CLOSED, "tl_prefix_cache_free twice and of NULL: no-ops; the handle stays closed");
+    tl_model_free(m2);
+}
+
+static void test_resume(tl_model *m, tl_session *s) {
+    tl_resume_handle *h = NULL;
+    EXPECT(tl_resume_handle_new(m, PROMPT, N_PROMPT, 4, &h), TL_OK, "tl_resume_handle_new at 4 loops");
+    double mb = 0;
+    EXPECT(tl_resume_handle_memory_mb(h, &mb), TL_OK, "tl_resume_handle_memory_mb");
+    CHECK(mb > 0, "  ... > 0 MB");
+    int all_equal = 1;
+    const int32_t depths[] = {1, 2, 4, 6};
+    for (int i = 0; i < 4; i++) {
+        tl_generate_params gp = gen_params(16);
+        gp.loops = depths[i];
+        int32_t fresh[16], resumed[16], on_session[16];
+        size_t lf = 0, lr = 0, ls = 0;
+        all_equal = all_equal && tl_generate(m, PROMPT, N_PROMPT, &gp, fresh, 16, &lf) == TL_OK &&
+                    tl_resume_generate(m, h, &gp, resumed, 16, &lr) == TL_OK &&
+                    tl_session_resume_generate(s, h, &gp, on_session, 16, &ls) == TL_OK &&
+                    same_tokens(resumed, lr, fresh, lf) && same_tokens(on_session, ls, fresh, lf);
+    }
+    CHECK(all_equal, "tl_resume_generate (model and session) at 1, 2, 4, 6 loops from 4 == fresh tl_generate");
+    tl_resume_handle *built_on_session = NULL;
+    EXPECT(tl_session_resume_handle_new(s, PROMPT, N_PROMPT, 2, &built_on_session), TL_OK, "tl_session_resume_handle_new at 2 loops");
+    tl_generate_params gp = gen_params(8);
+    gp.loops = 5;
+    int32_t a[8], b[8];
+    size_t la = 0, lb = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, a, 8, &la), TL_OK, "fresh tl_generate at 5 loops");
+    EXPECT(tl_resume_generate(m, built_on_session, &gp, b, 8, &lb), TL_OK, "tl_resume_generate at 5 from 2");
+    CHECK(same_tokens(a, la, b, lb), "  ... == fresh tl_generate");
+    tl_resume_handle_free(built_on_session);
+
+    /* Bad input rows. */
+    gp.loops = 65;
+    EXPECT(tl_resume_generate(m, h, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "tl_resume_generate loops above max_loops");
+    CHECK(strstr(tl_last_error_message(), "loops must be in 1..=64") != NULL, "  ... message gives the range");
+    gp.loops = 0;
+    EXPECT(tl_resume_generate(m, h, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "tl_resume_generate loops 0");
+    gp.loops = 4;
+    EXPECT(tl_resume_generate(m, NULL, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "tl_resume_generate handle NULL");
+    EXPECT(tl_resume_generate(m, h, &gp, b, 7, &lb), TL_ERR_BUFFER_TOO_SMALL, "tl_resume_generate cap < max_tokens");
+    tl_prefix_cache *cache = NULL;
+    tl_prefix_cache_new(m, PREFIX, N_PREFIX, 4, &cache);
+    gp.prefix_cache = cache;
+    EXPECT(tl_resume_generate(m, h, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "tl_resume_generate with a prefix cache");
+    gp.prefix_cache = NULL;
+    EXPECT(tl_resume_generate(m, (const tl_resume_handle *)cache, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "a prefix cache passed as a resume handle");
+    CHECK(strstr(tl_last_error_message(), "resume_handle is a tl_prefix_cache handle") != NULL, "  ... message says so");
+    tl_prefix_cache_free(cache);
+    tl_model *m2 = open_model(256);
+    EXPECT(tl_resume_generate(m2, h, &gp, b, 8, &lb), TL_ERR_INVALID_ARGUMENT, "a resume handle from another model");
+    CHECK(strstr(tl_last_error_message(), "belongs to another model") != NULL, "  ... message says it belongs to another model");
+    tl_model_free(m2);
+    tl_resume_handle_free(h);
+    EXPECT(tl_resume_generate(m, h, &gp, b, 8, &lb), TL_ERR_CLOSED, "a freed resume handle passed again");
+    CHECK(strstr(tl_last_error_message(), "tl_resume_generate called with a resume handle that was freed") != NULL, "  ... message names the function and says freed");
+    tl_resume_handle_free(h);
+    tl_resume_handle_free(NULL);
+    EXPECT(tl_resume_handle_memory_mb(h, &mb), TL_ERR_CLOSED, "tl_resume_handle_free twice and of NULL: no-ops; the handle stays closed");
+}
+
+/* Prefix caches and resume handles live with their model handle: tl_close retires them. */
+static void test_bound_handles_after_close(void) {
+    tl_model *m = open_model(256);
+    tl_session *s = NULL;
+    tl_session_new(m, &s);
+    tl_prefix_cache *cache = NULL, *session_cache = NULL;
+    tl_resume_handle *h = NULL;
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, TL_LOOPS_DEFAULT, &cache), TL_OK, "setup: a prefix cache");
+    EXPECT(tl_session_prefix_cache_new(s, PREFIX, N_PREFIX, TL_LOOPS_DEFAULT, &session_cache), TL_OK, "setup: a prefix cache built on a session");
+    EXPECT(tl_resume_handle_new(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, &h), TL_OK, "setup: a resume handle");
+    EXPECT(tl_close(m), TL_OK, "tl_close with live prefix caches and resume handles");
+    tl_generate_params gp = gen_params(4);
+    gp.prefix_cache = cache;
+    int32_t out[8];
+    size_t len;
+    double mb;
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_CLOSED, "a prefix cache used after its model is closed");
+    CHECK(strstr(tl_last_error_message(), "tl_session_generate called with a prefix cache that was freed or whose model was closed") != NULL,
+          "  ... message names the function and says why");
+    gp.prefix_cache = NULL;
+    EXPECT(tl_session_resume_generate(s, h, &gp, out, 8, &len), TL_ERR_CLOSED, "a resume handle used after its model is closed");
+    EXPECT(tl_prefix_cache_memory_mb(session_cache, &mb), TL_ERR_CLOSED, "  ... also a cache built on one of its sessions");
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "  ... while the session itself keeps working");
+    tl_prefix_cache *late = NULL;
+    EXPECT(tl_session_prefix_cache_new(s, PREFIX, N_PREFIX, TL_LOOPS_DEFAULT, &late), TL_ERR_CLOSED, "tl_session_prefix_cache_new after the session's model is closed");
+    CHECK(late == NULL, "  ... *out_cache unwritten");
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, TL_LOOPS_DEFAULT, &late), TL_ERR_CLOSED, "tl_prefix_cache_new after close");
+    /* Freeing a handle that close retired is a no-op. session_cache is left to tl_close, which
+     * released it (src/ffi/bound.rs tests that close drops what it retires). */
+    tl_prefix_cache_free(cache);
+    tl_resume_handle_free(h);
+    CHECK(1, "tl_prefix_cache_free / tl_resume_handle_free of retired handles: no-ops");
+    tl_session_free(s);
+    tl_model_free(m);
+}
+
+static void test_bound_handles_refused_in_age_mode(void) {
+    tl_model_params mp;
+    tl_model_default_params(&mp);
+    mp.device = "cpu";
+    mp.log = false;
+    mp.max_seq_len = 256;
+    mp.kv_mode = "age";
+    tl_model *m = NULL;
+    if (tl_model_open(model_path, &mp, &m) != TL_OK) {
+        CHECK(0, "open in age mode");
+        return;
+    }
+    tl_prefix_cache *cache = NULL;
+    tl_resume_handle *h = NULL;
+    EXPECT(tl_prefix_cache_new(m, PREFIX, N_PREFIX, TL_LOOPS_DEFAULT, &cache), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new in KV mode age");
+    CHECK(strstr(tl_last_error_message(), "age mode") != NULL, "  ... message names age mode");
+    EXPECT(tl_resume_handle_new(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, &h), TL_ERR_INVALID_ARGUMENT, "tl_resume_handle_new in KV mode age");
+    CHECK(cache == NULL && h == NULL, "  ... no handle written");
+    tl_close(m);
+}
+
+/* A program built against the first header, whose tl_generate_params ends before prefix_cache. */
+static void test_earlier_generate_params(tl_model *m) {
+    tl_generate_params gp = gen_params(8);
+    int32_t a[8], b[8];
+    size_t la = 0, lb = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, a, 8, &la), TL_OK, "tl_generate_params of this header");
+    gp.struct_size = offsetof(tl_generate_params, prefix_cache);
+    gp.prefix_cache = (const tl_prefix_cache *)&gp; /* beyond the earlier struct: never read */
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, b, 8, &lb), TL_OK, "tl_generate_params of the first header (ends before prefix_cache)");
+    CHECK(same_tokens(a, la, b, lb), "  ... same tokens");
+}
+
+static void test_looped(void) {
+    tl_model *m = open_model(256);
+    tl_session *s = NULL;
+    EXPECT(tl_session_new(m, &s), TL_OK, "setup: tl_session_new");
+    test_logit_lens_and_trajectory(m, s);
+    test_speculative(m, s);
+    test_prefix_cache(m, s);
+    test_resume(m, s);
+    test_earlier_generate_params(m);
+    tl_session_free(s);
+    tl_model_free(m);
+    test_bound_handles_after_close();
+    test_bound_handles_refused_in_age_mode();
+}
+
+/* ---------------------------------------------------------------------------------------- */
 
 static void test_basics(void) {
     CHECK(tl_abi_version() == TL_ABI_VERSION, "tl_abi_version() == TL_ABI_VERSION");
@@ -871,6 +1235,7 @@ int main(int argc, char **argv) {
     test_cancel();
     test_close_liveness();
     test_concurrent_sessions();
+    test_looped();
     printf("abi_test: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

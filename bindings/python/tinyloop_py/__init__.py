@@ -18,7 +18,7 @@ import os
 import queue
 import random
 import threading
-from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -27,6 +27,8 @@ from . import _lib as _c
 __all__ = [
     "Model",
     "Session",
+    "PrefixCache",
+    "ResumeHandle",
     "load",
     "abi_version",
     "library_path",
@@ -176,6 +178,7 @@ class _Call:
         top_p: float,
         seed: Optional[int],
         stop: Optional[Iterable[int]],
+        prefix_cache: Optional["PrefixCache"] = None,
     ):
         self.tokens = _tokens(tokens)
         p = _c.GenerateParams()
@@ -194,6 +197,13 @@ class _Call:
         if self.stop.size:
             p.stop_tokens = _ptr(self.stop)
             p.n_stop_tokens = self.stop.size
+        if prefix_cache is not None:
+            if not isinstance(prefix_cache, PrefixCache):
+                raise TypeError(
+                    f"prefix_cache must be a PrefixCache, got {type(prefix_cache).__name__}"
+                )
+            p.prefix_cache = prefix_cache._pointer("generate")
+        self.prefix_cache = prefix_cache
         self.params = p
 
     def args(self):
@@ -252,6 +262,10 @@ class _Handle:
             self.release()
 
 
+#: The C names of the methods whose name differs (without the tl_ / tl_session_ prefix).
+_C_NAMES = {"build_prefix_cache": "prefix_cache_new", "build_resume_handle": "resume_handle_new"}
+
+
 class _Runner:
     """Calls shared by Model (default session) and Session."""
 
@@ -266,11 +280,19 @@ class _Runner:
             raise _closed(method, self._what)
         return self._h
 
-    def _run(self, method: str, fn_key: str, *args) -> None:
+    def _run(self, method: str, fn_key: str, *args, bound: Optional["_Bound"] = None) -> None:
+        self._call(method, self._fn[fn_key], *args, bound=bound)
+
+    def _call(self, method: str, fn_name: str, *args, bound: Optional["_Bound"] = None) -> None:
+        """Call ``fn_name`` on this handle. TL_ERR_CLOSED while this handle is open means the
+        ``bound`` prefix cache or resume handle was released (freed, or its model closed)."""
         h = self._handle(method)
         ptr = h.acquire(method)
         try:
-            _check(getattr(_dll, self._fn[fn_key])(ptr, *args), method, self._what)
+            status = getattr(_dll, fn_name)(ptr, *args)
+            if status == _c.TL_ERR_CLOSED and bound is not None and not h.closed:
+                raise bound._released(method)
+            _check(status, method, self._what)
         finally:
             h.release()
 
@@ -311,14 +333,18 @@ class _Runner:
         top_p: float = 1.0,
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
+        prefix_cache: Optional["PrefixCache"] = None,
     ) -> np.ndarray:
         """Generate up to ``max_tokens`` tokens after ``tokens``; returns only the new tokens
-        (np.int32), without the stop token that ended generation, if any."""
-        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        (np.int32), without the stop token that ended generation, if any. With
+        ``prefix_cache`` (from :meth:`Model.build_prefix_cache`, at the same loops) the tokens
+        are generated after its prefix: the same tokens as from prefix + ``tokens``."""
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache)
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
         self._run(
-            "generate", "generate", *call.args(), _ptr(out), out.size, ctypes.byref(n)
+            "generate", "generate", *call.args(), _ptr(out), out.size, ctypes.byref(n),
+            bound=prefix_cache,
         )
         return out[: n.value].copy()
 
@@ -332,11 +358,12 @@ class _Runner:
         top_p: float = 1.0,
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
+        prefix_cache: Optional["PrefixCache"] = None,
     ) -> Iterator[int]:
         """Like :meth:`generate`, yielding each token (an int) as soon as it exists. Arguments
         are checked now; generation starts at the first ``next()``. Leaving the loop early
         stops generation after at most one more token."""
-        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache)
         h = self._handle("generate_stream")
         if h.closed:
             raise _closed("generate_stream", self._what)
@@ -374,6 +401,8 @@ class _Runner:
                         f"generate_stream() interrupted: the {self._what} was closed",
                         _c.TL_ERR_CLOSED,
                     )
+                if status == _c.TL_ERR_CLOSED and call.prefix_cache is not None:
+                    raise call.prefix_cache._released("generate_stream")
                 _check(status, "generate_stream", self._what)
             except BaseException as e:  # handed to the consumer
                 failure.append(e)
@@ -436,6 +465,139 @@ class _Runner:
         )
         return out[: n.value]
 
+    # ---- looped-model calls (tl_* on a model, tl_session_* on a session) -----------------
+
+    def _looped(self, method: str, *args, bound: Optional["_Bound"] = None) -> None:
+        """Run the C function of ``method``: ``tl_<name>`` on a model, ``tl_session_<name>`` on a
+        session."""
+        self._call(method, self._prefix + _C_NAMES.get(method, method), *args, bound=bound)
+
+    def _required(self, method: str, *args) -> int:
+        """The output length a buffer call needs (a size query: NULL buffer, capacity 0);
+        invalid arguments raise here, before any buffer is allocated."""
+        n = ctypes.c_size_t(0)
+        h = self._handle(method)
+        ptr = h.acquire(method)
+        try:
+            fn = getattr(_dll, self._prefix + _C_NAMES.get(method, method))
+            status = fn(ptr, *args, None, 0, ctypes.byref(n))
+            if status != _c.TL_ERR_BUFFER_TOO_SMALL:
+                _check(status, method, self._what)
+        finally:
+            h.release()
+        return n.value
+
+    def score_logit_lens(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
+        """The logit lens: logits ``[loops, vocab_size]`` (np.float32) at the last position of
+        ``tokens``, read out after each loop iteration; row ``L - 1`` equals
+        ``score_last(tokens, loops=L)``."""
+        arr = _tokens(tokens)
+        args = (_ptr(arr), arr.size, _loops(loops))
+        vocab = self._vocab("score_logit_lens")
+        out = np.empty((self._required("score_logit_lens", *args) // vocab, vocab), np.float32)
+        n = ctypes.c_size_t(0)
+        self._looped(
+            "score_logit_lens", *args, _ptr(out, _F32P), out.size, ctypes.byref(n),
+        )
+        return out
+
+    def score_trajectory(self, tokens: Tokens, loops: Optional[int] = None) -> List[Dict[str, Any]]:
+        """The last position's path through the loop iterations: one dict per iteration with
+        ``hidden_norm``, ``rel_change``, ``kl_prev`` (nats), ``entropy`` (bits), ``argmax``."""
+        arr = _tokens(tokens)
+        args = (_ptr(arr), arr.size, _loops(loops))
+        n_loops = self._required("score_trajectory", *args)
+        out = (_c.TrajectoryPoint * n_loops)()
+        n = ctypes.c_size_t(0)
+        self._looped("score_trajectory", *args, out, n_loops, ctypes.byref(n))
+        keys = ("hidden_norm", "rel_change", "kl_prev", "entropy", "argmax")
+        return [{k: getattr(point, k) for k in keys} for point in out[: n.value]]
+
+    def generate_speculative(
+        self,
+        tokens: Tokens,
+        draft_loops: int,
+        draft_len: int = 4,
+        reuse: bool = True,
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+    ) -> np.ndarray:
+        """Self-speculative generation: ``draft_len`` tokens at a time drafted at
+        ``draft_loops`` iterations, verified at ``loops`` (the model default when None). Greedy
+        output equals :meth:`generate` at ``loops``; sampled output has its distribution.
+        ``reuse=False`` recomputes every block in the verify pass (the baseline). Acceptance
+        counts: :meth:`last_generate_stats`."""
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        spec = _c.SpeculativeParams()
+        _check(_dll.tl_speculative_default_params(ctypes.byref(spec)), "generate_speculative")
+        spec.draft_loops = _int(draft_loops, "draft_loops", 0, _U32_MAX)
+        spec.draft_len = _int(draft_len, "draft_len", 0, _U32_MAX)
+        spec.reuse = bool(reuse)
+        out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
+        n = ctypes.c_size_t(0)
+        self._looped(
+            "generate_speculative", *call.args(), ctypes.byref(spec), _ptr(out), out.size,
+            ctypes.byref(n),
+        )
+        return out[: n.value].copy()
+
+    def build_prefix_cache(self, tokens: Tokens, loops: Optional[int] = None) -> "PrefixCache":
+        """Run ``tokens`` at ``loops`` and keep their KV entries: ``generate(prompt,
+        prefix_cache=cache)`` at the same loops then gives the tokens of generating from
+        ``tokens + prompt``, on any session of this model. Closed with its model."""
+        arr = _tokens(tokens)
+        out = ctypes.c_void_p()
+        self._looped("build_prefix_cache", _ptr(arr), arr.size, _loops(loops), ctypes.byref(out))
+        return PrefixCache(out.value)
+
+    def build_resume_handle(self, tokens: Tokens, loops: Optional[int] = None) -> "ResumeHandle":
+        """Run the prompt ``tokens`` at ``loops`` and keep what :meth:`resume_generate` needs to
+        generate after it at any loop count. Closed with its model."""
+        arr = _tokens(tokens)
+        out = ctypes.c_void_p()
+        self._looped("build_resume_handle", _ptr(arr), arr.size, _loops(loops), ctypes.byref(out))
+        return ResumeHandle(out.value)
+
+    def resume_generate(
+        self,
+        handle: "ResumeHandle",
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+    ) -> np.ndarray:
+        """Generate after the prompt of ``handle`` at ``loops`` (any depth): the same tokens as
+        ``generate(prompt, loops=loops)``, reusing the iterations the handle already ran."""
+        if not isinstance(handle, ResumeHandle):
+            raise TypeError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
+        call = _Call((), max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
+        n = ctypes.c_size_t(0)
+        self._looped(
+            "resume_generate", handle._pointer("resume_generate"), ctypes.byref(call.params),
+            _ptr(out), out.size, ctypes.byref(n), bound=handle,
+        )
+        return out[: n.value].copy()
+
+    def last_generate_stats(self) -> Dict[str, Any]:
+        """What the last successful generation call here did: ``tokens``, ``prefill_ms``,
+        ``decode_ms``, and for speculative calls ``drafted``, ``accepted``,
+        ``acceptance_rate`` and ``agreement`` (draft / verify argmax agreement); zeros before
+        the first call."""
+        stats = _c.GenerateStats()
+        stats.struct_size = ctypes.sizeof(_c.GenerateStats)
+        self._looped("last_generate_stats", ctypes.byref(stats))
+        keys = [name for name, _ in _c.GenerateStats._fields_ if name != "struct_size"]
+        return {k: getattr(stats, k) for k in keys}
+
     def _vocab(self, method: str) -> int:
         raise NotImplementedError
 
@@ -459,6 +621,7 @@ class Model(_Runner):
     :raises ValueError: ``max_seq_len <= 0`` (and other invalid arguments).
     """
 
+    _prefix = "tl_"
     _fn = {
         "generate": "tl_generate",
         "generate_stream": "tl_generate_stream",
@@ -577,6 +740,7 @@ class Session(_Runner):
     thread at a time (a concurrent call raises :class:`BusyError`)."""
 
     _what = "session"
+    _prefix = "tl_session_"
     _fn = {
         "generate": "tl_session_generate",
         "generate_stream": "tl_session_generate_stream",
@@ -593,6 +757,80 @@ class Session(_Runner):
 
     def _vocab(self, method: str) -> int:
         return self._vocab_size
+
+
+class _Bound:
+    """A prefix cache or resume handle: bound to the model it was built on (closing the model
+    releases it), freed by :meth:`close`, the context manager, or garbage collection."""
+
+    _noun = ""
+    _free = None
+    _memory = None
+
+    def __init__(self, ptr: int):
+        self._ptr: Optional[int] = ptr
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (closing its model is only noticed by the next call)."""
+        return self._ptr is None
+
+    def _pointer(self, method: str) -> int:
+        if self._ptr is None:
+            raise self._released(method)
+        return self._ptr
+
+    def _released(self, method: str) -> ClosedError:
+        return ClosedError(
+            f"{method}() called with a {self._noun} that was closed, or whose model was "
+            f"closed; build a new one",
+            _c.TL_ERR_CLOSED,
+        )
+
+    def memory_mb(self) -> float:
+        """Device memory it holds, in MB (10^6 bytes); part of the model's vram_usage_mb()."""
+        mb = ctypes.c_double(0.0)
+        status = type(self)._memory(self._pointer("memory_mb"), ctypes.byref(mb))
+        if status == _c.TL_ERR_CLOSED:
+            raise self._released("memory_mb")
+        _check(status, "memory_mb")
+        return float(mb.value)
+
+    def close(self) -> None:
+        """Release it now (idempotent). A call using it in another thread finishes normally."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            type(self)._free(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+
+class PrefixCache(_Bound):
+    """The KV entries of a prefix, from :meth:`Model.build_prefix_cache`; pass it as
+    ``generate(..., prefix_cache=cache)``. Several sessions may use one cache at once."""
+
+    _noun = "prefix cache"
+    _free = _dll.tl_prefix_cache_free
+    _memory = _dll.tl_prefix_cache_memory_mb
+
+
+class ResumeHandle(_Bound):
+    """A prompt run at some loop count, from :meth:`Model.build_resume_handle`; resume it at
+    any depth with :meth:`Model.resume_generate`."""
+
+    _noun = "resume handle"
+    _free = _dll.tl_resume_handle_free
+    _memory = _dll.tl_resume_handle_memory_mb
 
 
 def load(path: Union[str, "os.PathLike[str]"], **kwargs: Any) -> Model:

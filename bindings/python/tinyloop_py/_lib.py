@@ -13,6 +13,8 @@ from typing import List, Optional
 ABI_VERSION = 1
 #: TL_LOOPS_DEFAULT: a loops value selecting the model's default_loops.
 LOOPS_DEFAULT = -1
+#: TL_MAX_DRAFT_LEN: the largest draft_len of speculative generation.
+MAX_DRAFT_LEN = 15
 
 STATUS_NAMES = {
     0: "TL_OK",
@@ -65,6 +67,39 @@ class GenerateParams(ctypes.Structure):
         ("seed", ctypes.c_uint64),
         ("stop_tokens", ctypes.POINTER(ctypes.c_int32)),
         ("n_stop_tokens", ctypes.c_size_t),
+        ("prefix_cache", ctypes.c_void_p),
+    ]
+
+
+class SpeculativeParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("draft_loops", ctypes.c_uint32),
+        ("draft_len", ctypes.c_uint32),
+        ("reuse", ctypes.c_bool),
+    ]
+
+
+class TrajectoryPoint(ctypes.Structure):
+    _fields_ = [
+        ("hidden_norm", ctypes.c_double),
+        ("rel_change", ctypes.c_double),
+        ("kl_prev", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+        ("argmax", ctypes.c_int32),
+    ]
+
+
+class GenerateStats(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("tokens", ctypes.c_size_t),
+        ("prefill_ms", ctypes.c_double),
+        ("decode_ms", ctypes.c_double),
+        ("drafted", ctypes.c_size_t),
+        ("accepted", ctypes.c_size_t),
+        ("acceptance_rate", ctypes.c_double),
+        ("agreement", ctypes.c_double),
     ]
 
 
@@ -101,6 +136,12 @@ _i32p = ctypes.POINTER(ctypes.c_int32)
 _f32p = ctypes.POINTER(ctypes.c_float)
 _sizep = ctypes.POINTER(ctypes.c_size_t)
 _size = ctypes.c_size_t
+
+_genp = ctypes.POINTER(GenerateParams)
+_specp = ctypes.POINTER(SpeculativeParams)
+_pointp = ctypes.POINTER(TrajectoryPoint)
+_statsp = ctypes.POINTER(GenerateStats)
+_dblp = ctypes.POINTER(ctypes.c_double)
 
 _SIGNATURES = {
     "tl_abi_version": (ctypes.c_uint32, []),
@@ -141,7 +182,27 @@ _SIGNATURES = {
     "tl_session_score_last": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_speculative_default_params": (_status, [_specp]),
+    "tl_prefix_cache_free": (None, [_p]),
+    "tl_prefix_cache_memory_mb": (_status, [_p, _dblp]),
+    "tl_resume_handle_free": (None, [_p]),
+    "tl_resume_handle_memory_mb": (_status, [_p, _dblp]),
 }
+
+# The looped-model calls, each in a model form (tl_*) and a session form (tl_session_*) with the
+# same arguments after the handle.
+_LOOPED = {
+    "score_logit_lens": (_status, [_i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "score_trajectory": (_status, [_i32p, _size, ctypes.c_int32, _pointp, _size, _sizep]),
+    "generate_speculative": (_status, [_i32p, _size, _genp, _specp, _i32p, _size, _sizep]),
+    "prefix_cache_new": (_status, [_i32p, _size, ctypes.c_int32, ctypes.POINTER(_p)]),
+    "resume_handle_new": (_status, [_i32p, _size, ctypes.c_int32, ctypes.POINTER(_p)]),
+    "resume_generate": (_status, [_p, _genp, _i32p, _size, _sizep]),
+    "last_generate_stats": (_status, [_statsp]),
+}
+for _name, (_restype, _args) in _LOOPED.items():
+    _SIGNATURES["tl_" + _name] = (_restype, [_p, *_args])
+    _SIGNATURES["tl_session_" + _name] = (_restype, [_p, *_args])
 
 
 def candidate_paths(env: Optional[dict] = None, cwd: Optional[Path] = None) -> List[Path]:
