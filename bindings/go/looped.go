@@ -146,12 +146,12 @@ func (b *bound) Close() error {
 	return nil
 }
 
-// PrefixCache holds the KV entries of a prefix (NewPrefixCache); set it as
+// PrefixCache holds the KV entries of a prefix (BuildPrefixCache); set it as
 // GenerateOptions.PrefixCache. Several sessions may use one cache at once. It is released by
 // Close, or with the model it was built on.
 type PrefixCache struct{ bound }
 
-// ResumeHandle holds a prompt run at some loop count (NewResumeHandle); ResumeGenerate
+// ResumeHandle holds a prompt run at some loop count (BuildResumeHandle); ResumeGenerate
 // continues it at any depth. It is released by Close, or with the model it was built on.
 type ResumeHandle struct{ bound }
 
@@ -368,11 +368,11 @@ func (r *runner) generateWith(ctx context.Context, method string, o *GenerateOpt
 	return out[:int(n)], nil
 }
 
-// NewPrefixCache runs tokens at loops (LoopsDefault or 1..MaxLoops) and keeps their KV
+// BuildPrefixCache runs tokens at loops (LoopsDefault or 1..MaxLoops) and keeps their KV
 // entries: generating with GenerateOptions.PrefixCache set to it, at the same loops, gives the
 // tokens of generating from tokens followed by the prompt, on any session of this model.
-func (r *runner) NewPrefixCache(tokens []int32, loops int) (*PrefixCache, error) {
-	const method = "NewPrefixCache"
+func (r *runner) BuildPrefixCache(tokens []int32, loops int) (*PrefixCache, error) {
+	const method = "BuildPrefixCache"
 	if err := checkLoops(method, loops); err != nil {
 		return nil, err
 	}
@@ -390,10 +390,10 @@ func (r *runner) NewPrefixCache(tokens []int32, loops int) (*PrefixCache, error)
 	return newPrefixCache(ptr), nil
 }
 
-// NewResumeHandle runs the prompt tokens at loops (LoopsDefault or 1..MaxLoops) and keeps what
+// BuildResumeHandle runs the prompt tokens at loops (LoopsDefault or 1..MaxLoops) and keeps what
 // ResumeGenerate needs to generate after it at any loop count.
-func (r *runner) NewResumeHandle(tokens []int32, loops int) (*ResumeHandle, error) {
-	const method = "NewResumeHandle"
+func (r *runner) BuildResumeHandle(tokens []int32, loops int) (*ResumeHandle, error) {
+	const method = "BuildResumeHandle"
 	if err := checkLoops(method, loops); err != nil {
 		return nil, err
 	}

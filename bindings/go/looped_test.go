@@ -147,7 +147,7 @@ func TestPrefixCacheEqualsGeneratingFromTheWholeText(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cache, err := m.NewPrefixCache(prefix, 3)
+	cache, err := m.BuildPrefixCache(prefix, 3)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,7 +184,7 @@ func TestPrefixCacheEqualsGeneratingFromTheWholeText(t *testing.T) {
 
 func TestResumeEqualsAFreshGenerationAtAnyDepth(t *testing.T) {
 	m := open(t, 256)
-	h, err := m.NewResumeHandle(prompt, 4)
+	h, err := m.BuildResumeHandle(prompt, 4)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,11 +217,11 @@ func TestBoundHandlesAreReleasedWithTheirModel(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	cache, err := m.NewPrefixCache(prefix, LoopsDefault)
+	cache, err := m.BuildPrefixCache(prefix, LoopsDefault)
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := s.NewResumeHandle(prompt, LoopsDefault)
+	h, err := s.BuildResumeHandle(prompt, LoopsDefault)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,6 +248,6 @@ func TestBoundHandlesAreReleasedWithTheirModel(t *testing.T) {
 	h.Close()
 	_, err = m.ScoreLogitLens(prompt, LoopsDefault)
 	wantStatus(t, err, StatusClosed, "ScoreLogitLens after Close")
-	_, err = m.NewPrefixCache(prefix, LoopsDefault)
-	wantStatus(t, err, StatusClosed, "NewPrefixCache after Close")
+	_, err = m.BuildPrefixCache(prefix, LoopsDefault)
+	wantStatus(t, err, StatusClosed, "BuildPrefixCache after Close")
 }

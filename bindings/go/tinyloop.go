@@ -106,7 +106,7 @@ type GenerateOptions struct {
 	TopP        float32 // (0, 1]
 	Seed        uint64  // sampler seed; the same seed and inputs give the same tokens
 	Stop        []int32 // generation ends at any of these (not returned)
-	// PrefixCache, when set (NewPrefixCache, at the same loops), is generated after: the same
+	// PrefixCache, when set (BuildPrefixCache, at the same loops), is generated after: the same
 	// tokens as generating from its prefix followed by the prompt. Generate and GenerateStream
 	// only.
 	PrefixCache *PrefixCache

@@ -1,9 +1,13 @@
 """The looped-model calls from Python: logit lens, trajectory, speculative generation, prefix
 caches, resume handles and generation statistics. The model runs on the CPU, whose results do
 not depend on how the work is split into steps, so the equalities are exact (as in the Rust
-tests, tests/looped.rs)."""
+tests, tests/looped.rs). TINYLOOP_TEST_DEVICE=cuda runs the same tests on a GPU (the GPU
+bundle's run-tests.sh does), where the equalities hold exactly as well on this model: each
+compares runs of the same kernels on the same rows (tests/cuda_parity.rs explains when they
+can part on other models: speculation after a near tie)."""
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +17,14 @@ from tinyloop_py import _lib
 from conftest import PROMPT
 
 PREFIX = [84, 111, 32, 98, 101, 32, 111, 114, 32, 110, 111, 116, 32]  # "To be or not "
+DEVICE = os.environ.get("TINYLOOP_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture
+def model(model_path):
+    m = tinyloop_py.Model(model_path, max_seq_len=256, device=DEVICE, log=False)
+    yield m
+    m.close()
 
 
 def test_logit_lens_rows_are_score_last_at_each_depth(model):
@@ -122,7 +134,7 @@ def test_resume_equals_a_fresh_generation_at_any_depth(model, depth):
 
 
 def test_bound_handles_are_released_with_their_model(model_path):
-    m = tinyloop_py.Model(model_path, max_seq_len=256, device="cpu", log=False)
+    m = tinyloop_py.Model(model_path, max_seq_len=256, device=DEVICE, log=False)
     s = m.new_session()
     cache = m.build_prefix_cache(PREFIX)
     handle = s.build_resume_handle(PROMPT)
@@ -145,7 +157,7 @@ def test_bound_handles_are_released_with_their_model(model_path):
 
 
 def test_looped_calls_after_close_name_the_method(model_path):
-    m = tinyloop_py.Model(model_path, max_seq_len=64, device="cpu", log=False)
+    m = tinyloop_py.Model(model_path, max_seq_len=64, device=DEVICE, log=False)
     m.close()
     for method, call in [
         ("score_logit_lens", lambda: m.score_logit_lens(PROMPT)),
@@ -170,3 +182,21 @@ def test_param_structs_have_the_library_size():
         p = struct()
         assert fill(ctypes.byref(p)) == 0
         assert p.struct_size == ctypes.sizeof(struct), struct.__name__
+
+
+def test_loops_is_also_n_loops_and_verify_loops(model):
+    np.testing.assert_array_equal(
+        model.score_last(PROMPT, n_loops=2), model.score_last(PROMPT, loops=2)
+    )
+    np.testing.assert_array_equal(
+        model.generate(PROMPT, max_tokens=6, n_loops=3), model.generate(PROMPT, max_tokens=6, loops=3)
+    )
+    assert model.score_logit_lens(PROMPT, n_loops=3).shape[0] == 3
+    plain = model.generate(PROMPT, max_tokens=8, loops=4)
+    for alias in ("n_loops", "verify_loops"):
+        out = model.generate_speculative(PROMPT, draft_loops=2, max_tokens=8, **{alias: 4})
+        np.testing.assert_array_equal(out, plain)
+    with pytest.raises(TypeError, match="both loops and n_loops"):
+        model.generate(PROMPT, loops=2, n_loops=2)
+    with pytest.raises(TypeError):
+        model.score_last(PROMPT, loops_count=2)

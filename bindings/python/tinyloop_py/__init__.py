@@ -7,12 +7,14 @@
 A :class:`Model` is a model plus its default session: one call at a time (a second concurrent
 call raises :class:`BusyError`). For concurrency, give each thread its own :class:`Session`
 from :meth:`Model.new_session`; sessions share the model's weights. Every call releases the GIL
-while it runs.
+while it runs. Every ``loops`` keyword is also accepted as ``n_loops`` (and, in
+:meth:`Model.generate_speculative`, as ``verify_loops``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import numbers
 import os
 import queue
@@ -163,6 +165,26 @@ def _loops(loops: Optional[int]) -> int:
     if loops is None:
         return _c.LOOPS_DEFAULT
     return _int(loops, "loops", 1, _I32_MAX)
+
+
+def _loops_also_as(*aliases: str):
+    """Accept each of ``aliases`` as another name of the ``loops`` keyword: the reference pages
+    write ``n_loops`` on every scoring and generation call, and ``verify_loops`` for the depth
+    that verifies speculative drafts."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            for alias in aliases:
+                if alias in kwargs:
+                    if "loops" in kwargs:
+                        raise TypeError(f"{method.__name__}() got both loops and {alias}")
+                    kwargs["loops"] = kwargs.pop(alias)
+            return method(self, *args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 class _Call:
@@ -323,6 +345,7 @@ class _Runner:
         :class:`CancelledError`. Does nothing when no call is running."""
         self._run("cancel", "cancel")
 
+    @_loops_also_as("n_loops")
     def generate(
         self,
         tokens: Tokens,
@@ -348,6 +371,7 @@ class _Runner:
         )
         return out[: n.value].copy()
 
+    @_loops_also_as("n_loops")
     def generate_stream(
         self,
         tokens: Tokens,
@@ -431,6 +455,7 @@ class _Runner:
                 thread.join()
             h.release()
 
+    @_loops_also_as("n_loops")
     def score_last(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
         """Logits ``[vocab_size]`` (np.float32) at the last position of ``tokens``."""
         arr = _tokens(tokens)
@@ -442,6 +467,7 @@ class _Runner:
         )
         return out
 
+    @_loops_also_as("n_loops")
     def score(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
         """Logits ``[len(tokens), vocab_size]`` (np.float32) for every position."""
         arr = _tokens(tokens)
@@ -454,6 +480,7 @@ class _Runner:
         )
         return out[: arr.size]
 
+    @_loops_also_as("n_loops")
     def logprobs(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
         """``log p(tokens[i+1] | tokens[:i+1])`` for every i < len(tokens) - 1 (np.float32)."""
         arr = _tokens(tokens)
@@ -487,6 +514,7 @@ class _Runner:
             h.release()
         return n.value
 
+    @_loops_also_as("n_loops")
     def score_logit_lens(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
         """The logit lens: logits ``[loops, vocab_size]`` (np.float32) at the last position of
         ``tokens``, read out after each loop iteration; row ``L - 1`` equals
@@ -501,6 +529,7 @@ class _Runner:
         )
         return out
 
+    @_loops_also_as("n_loops")
     def score_trajectory(self, tokens: Tokens, loops: Optional[int] = None) -> List[Dict[str, Any]]:
         """The last position's path through the loop iterations: one dict per iteration with
         ``hidden_norm``, ``rel_change``, ``kl_prev`` (nats), ``entropy`` (bits), ``argmax``."""
@@ -513,6 +542,7 @@ class _Runner:
         keys = ("hidden_norm", "rel_change", "kl_prev", "entropy", "argmax")
         return [{k: getattr(point, k) for k in keys} for point in out[: n.value]]
 
+    @_loops_also_as("n_loops", "verify_loops")
     def generate_speculative(
         self,
         tokens: Tokens,
@@ -546,6 +576,7 @@ class _Runner:
         )
         return out[: n.value].copy()
 
+    @_loops_also_as("n_loops")
     def build_prefix_cache(self, tokens: Tokens, loops: Optional[int] = None) -> "PrefixCache":
         """Run ``tokens`` at ``loops`` and keep their KV entries: ``generate(prompt,
         prefix_cache=cache)`` at the same loops then gives the tokens of generating from
@@ -555,6 +586,7 @@ class _Runner:
         self._looped("build_prefix_cache", _ptr(arr), arr.size, _loops(loops), ctypes.byref(out))
         return PrefixCache(out.value)
 
+    @_loops_also_as("n_loops")
     def build_resume_handle(self, tokens: Tokens, loops: Optional[int] = None) -> "ResumeHandle":
         """Run the prompt ``tokens`` at ``loops`` and keep what :meth:`resume_generate` needs to
         generate after it at any loop count. Closed with its model."""
@@ -563,6 +595,7 @@ class _Runner:
         self._looped("build_resume_handle", _ptr(arr), arr.size, _loops(loops), ctypes.byref(out))
         return ResumeHandle(out.value)
 
+    @_loops_also_as("n_loops")
     def resume_generate(
         self,
         handle: "ResumeHandle",
