@@ -88,6 +88,17 @@ impl QuantizedMatrix {
             *value = self.scales[p].to_f32() * self.code(row, col) as f32 + self.zeros[p].to_f32();
         }
     }
+
+    /// Re-quantize to `dtype` at the same group size: round-to-nearest of the dequantized
+    /// values, group by group (CTX-TIER's INT4 → INT2 re-pack; every backend's re-pack kernel
+    /// must equal this bit for bit).
+    pub fn requantize(&self, dtype: DType) -> Result<QuantizedMatrix> {
+        let mut values = alloc::zeroed(self.rows * self.cols, "the dequantized matrix")?;
+        for (row, out) in values.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(row, out);
+        }
+        quantize_rtn(&values, self.rows, self.cols, dtype, self.group_size)
+    }
 }
 
 pub fn f16_from_bytes(bytes: &[u8]) -> Vec<f16> {
