@@ -6,8 +6,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+#[path = "tinyloop/position_buckets.rs"]
+mod position_buckets;
+
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use position_buckets::{BucketEdges, PositionBuckets};
 use serde_json::json;
 use tinyloop::model::synth;
 use tinyloop::{
@@ -188,6 +192,10 @@ struct ScoreArgs {
     /// Score only the first N tokens of the input.
     #[arg(long)]
     limit: Option<usize>,
+    /// Also report the NLL per range of positions inside the window: edges `128,256` give
+    /// [0, 128), [128, 256) and, for longer windows, [256, end of window).
+    #[arg(long, value_name = "EDGES")]
+    buckets: Option<BucketEdges>,
 }
 
 #[derive(Args)]
@@ -790,6 +798,10 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     let mut session = model.new_session()?;
     let (mut nll, mut count) = (0f64, 0usize);
     let windows = tokens.chunks(args.window);
+    let mut buckets = args
+        .buckets
+        .as_ref()
+        .map(|edges| PositionBuckets::new(edges, args.window));
     let progress = Progress::new(&args.common, "score", windows.len());
     for (i, window) in windows.enumerate() {
         progress.show(i);
@@ -799,6 +811,9 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         let logprobs = session.logprobs(window, args.common.loops)?;
         nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
         count += logprobs.len();
+        if let Some(buckets) = &mut buckets {
+            buckets.add(&logprobs);
+        }
     }
     progress.finish();
     if count == 0 {
@@ -809,15 +824,19 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     let mean = nll / count as f64;
     let loops = args.common.loops.unwrap_or(model.config().default_loops);
     if args.common.json {
-        println!(
-            "{}",
-            json!({"nll": mean, "ppl": mean.exp(), "tokens": count, "loops": loops})
-        );
+        let mut report = json!({"nll": mean, "ppl": mean.exp(), "tokens": count, "loops": loops});
+        if let Some(buckets) = &buckets {
+            report["buckets"] = buckets.to_json();
+        }
+        println!("{report}");
     } else {
         println!(
             "nll {mean:.4} nats/token  ppl {:.3}  ({count} predicted tokens, loops {loops})",
             mean.exp()
         );
+        for line in buckets.iter().flat_map(PositionBuckets::lines) {
+            println!("{line}");
+        }
     }
     Ok(())
 }
