@@ -24,7 +24,7 @@ use tinyloop::{
     name = "tinyloop",
     version,
     about = "Run looped transformers stored as .tinyloop files",
-    override_usage = "tinyloop MODEL <info|generate|score|bench> [OPTIONS]\n       \
+    override_usage = "tinyloop MODEL <info|generate|score|bench|requantize> [OPTIONS]\n       \
                       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
                       tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
                       tinyloop help [COMMAND]",
@@ -55,6 +55,16 @@ enum ModelCommand {
     Lens(LensArgs),
     /// How the last position moves through the loop iterations (norm, change, KL, entropy).
     Trajectory(LensArgs),
+    /// Write a copy whose loop-block linears are re-quantized (round-to-nearest of the
+    /// dequantized weights at the same group size); every other tensor is copied unchanged.
+    Requantize {
+        /// Bit width of the loop body in the copy: 2 or 4.
+        #[arg(long, value_name = "BITS")]
+        loop_body_bits: u32,
+        /// Where to write the copy (not the input file).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -502,6 +512,17 @@ fn run_model(cli: ModelCli) -> Result<()> {
         ModelCommand::Bench(args) => bench(&cli.model, args),
         ModelCommand::Lens(args) => lens(&cli.model, args, false),
         ModelCommand::Trajectory(args) => lens(&cli.model, args, true),
+        ModelCommand::Requantize {
+            loop_body_bits,
+            out,
+        } => {
+            tinyloop::convert::requantize::requantize_file(&cli.model, &out, loop_body_bits)?;
+            eprintln!(
+                "wrote {} (loop body at {loop_body_bits} bits)",
+                out.display()
+            );
+            Ok(())
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod capture;
 pub mod gptq;
+pub mod requantize;
 
 use std::collections::HashMap;
 use std::io::Write;

@@ -52,6 +52,18 @@ impl FileWriter {
         }
     }
 
+    /// Add a tensor exactly as another file stores it (same dtype, shape, group size and bytes).
+    pub fn add_stored(&mut self, entry: &TensorEntry, bytes: &[u8]) {
+        let shape: Vec<usize> = entry.shape.iter().map(|&d| d as usize).collect();
+        self.push(
+            &entry.name,
+            entry.dtype,
+            &shape,
+            entry.group_size,
+            bytes.to_vec(),
+        );
+    }
+
     fn push(
         &mut self,
         name: &str,
