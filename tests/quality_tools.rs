@@ -77,21 +77,12 @@ fn buckets_split_the_window_by_position() {
     ]);
     let buckets = report["buckets"].as_array().unwrap();
     // Two 20-token windows predict positions 1..=19 each: 3, 8 and 8 tokens per window.
-    let shape: Vec<(u64, Option<u64>, u64)> = buckets
+    let shape: Vec<[u64; 3]> = buckets
         .iter()
-        .map(|b| {
-            let end = b["end"].as_u64();
-            (
-                b["start"].as_u64().unwrap(),
-                end,
-                b["tokens"].as_u64().unwrap(),
-            )
-        })
+        .map(|b| ["start", "end", "tokens"].map(|key| b[key].as_u64().unwrap()))
         .collect();
-    assert_eq!(
-        shape,
-        vec![(0, Some(4), 6), (4, Some(12), 16), (12, None, 16)]
-    );
+    // Positions past the last edge form a bucket that ends with the window.
+    assert_eq!(shape, vec![[0, 4, 6], [4, 12, 16], [12, 20, 16]]);
 
     // The buckets partition the scored tokens: their token-weighted mean is the total
     // (tolerance 1e-12 relative: f64 sums of the same values in another order).
@@ -133,7 +124,7 @@ fn buckets_split_the_window_by_position() {
 }
 
 #[test]
-fn buckets_without_an_open_end_and_in_text_output() {
+fn buckets_end_at_the_last_edge_and_show_in_the_text_output() {
     let model = common::synth_file("tiny", 1, 4);
     let m = path_str(&model);
     let tokens = token_list(16);

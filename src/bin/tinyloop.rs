@@ -203,7 +203,7 @@ struct ScoreArgs {
     #[arg(long)]
     limit: Option<usize>,
     /// Also report the NLL per range of positions inside the window: edges `128,256` give
-    /// [0, 128), [128, 256) and, for longer windows, [256, end of window).
+    /// [0, 128), [128, 256) and, for longer windows, [256, window).
     #[arg(long, value_name = "EDGES")]
     buckets: Option<BucketEdges>,
 }

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use serde_json::json;
 
 /// Strictly increasing, positive bucket edges: `128,256` means positions [0, 128), [128, 256)
-/// and, when a window is longer than the last edge, the open bucket [256, ∞).
+/// and, when a window is longer than the last edge, [256, window).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketEdges(Vec<usize>);
 
@@ -41,9 +41,9 @@ impl FromStr for BucketEdges {
 
 /// Negative log-likelihood summed per bucket of positions.
 pub struct PositionBuckets {
-    edges: Vec<usize>,
-    /// Whether a window is longer than the last edge, so the open bucket can hold tokens.
-    open: bool,
+    /// The end of each bucket; windows longer than the last edge given add one that ends with
+    /// the window.
+    ends: Vec<usize>,
     nll: Vec<f64>,
     tokens: Vec<usize>,
 }
@@ -51,12 +51,13 @@ pub struct PositionBuckets {
 impl PositionBuckets {
     /// Buckets for windows of `window` tokens.
     pub fn new(edges: &BucketEdges, window: usize) -> PositionBuckets {
-        let edges = edges.0.clone();
-        let open = edges.last().is_some_and(|&last| window > last);
-        let n = edges.len() + usize::from(open);
+        let mut ends = edges.0.clone();
+        if ends.last().is_some_and(|&last| window > last) {
+            ends.push(window);
+        }
+        let n = ends.len();
         PositionBuckets {
-            edges,
-            open,
+            ends,
             nll: vec![0.0; n],
             tokens: vec![0; n],
         }
@@ -65,25 +66,19 @@ impl PositionBuckets {
     /// Add one window's log-probabilities; `logprobs[i]` predicts the token at position `i + 1`.
     pub fn add(&mut self, logprobs: &[f32]) {
         for (i, &logprob) in logprobs.iter().enumerate() {
-            let bucket = self.edges.partition_point(|&edge| edge <= i + 1);
+            let bucket = self.ends.partition_point(|&end| end <= i + 1);
             self.nll[bucket] -= f64::from(logprob);
             self.tokens[bucket] += 1;
         }
     }
 
-    /// `(start, end, mean NLL, tokens)` per bucket; `end` is `None` for the open bucket and the
-    /// mean is `None` for an empty bucket.
-    pub fn rows(&self) -> Vec<(usize, Option<usize>, Option<f64>, usize)> {
-        let starts = std::iter::once(0).chain(self.edges.iter().copied());
-        let ends = self
-            .edges
-            .iter()
-            .map(|&e| Some(e))
-            .chain(self.open.then_some(None));
+    /// `(start, end, mean NLL, tokens)` per bucket; the mean is `None` for an empty bucket.
+    pub fn rows(&self) -> Vec<(usize, usize, Option<f64>, usize)> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
         starts
-            .zip(ends)
+            .zip(&self.ends)
             .zip(self.nll.iter().zip(&self.tokens))
-            .map(|((start, end), (&nll, &tokens))| {
+            .map(|((start, &end), (&nll, &tokens))| {
                 let mean = (tokens > 0).then(|| nll / tokens as f64);
                 (start, end, mean, tokens)
             })
@@ -102,7 +97,6 @@ impl PositionBuckets {
         self.rows()
             .into_iter()
             .map(|(start, end, nll, tokens)| {
-                let end = end.map_or("∞".to_string(), |e| e.to_string());
                 let nll = nll.map_or("-".to_string(), |n| format!("{n:.4}"));
                 format!("  positions [{start}, {end}): nll {nll} nats/token  ({tokens} tokens)")
             })
@@ -134,7 +128,7 @@ mod tests {
     fn tokens_fall_into_the_bucket_of_their_position() {
         let edges: BucketEdges = "2,4".parse().unwrap();
         // A 6-token window predicts positions 1..=5: [0,2) gets 1, [2,4) gets 2 and 3,
-        // the open bucket [4,∞) gets 4 and 5.
+        // [4,6), the bucket past the last edge, gets 4 and 5.
         let mut buckets = PositionBuckets::new(&edges, 6);
         buckets.add(&[-1.0, -2.0, -4.0, -8.0, -16.0]);
         // A 3-token window reaches only position 2.
@@ -142,21 +136,18 @@ mod tests {
         assert_eq!(
             buckets.rows(),
             vec![
-                (0, Some(2), Some(0.75), 2),
-                (2, Some(4), Some((2.0 + 4.0 + 1.5) / 3.0), 3),
-                (4, None, Some(12.0), 2),
+                (0, 2, Some(0.75), 2),
+                (2, 4, Some((2.0 + 4.0 + 1.5) / 3.0), 3),
+                (4, 6, Some(12.0), 2),
             ]
         );
     }
 
     #[test]
-    fn the_open_bucket_exists_only_for_windows_past_the_last_edge() {
+    fn a_last_bucket_is_added_only_for_windows_past_the_last_edge() {
         let edges: BucketEdges = "2,4".parse().unwrap();
         let mut buckets = PositionBuckets::new(&edges, 4);
         buckets.add(&[-1.0]);
-        assert_eq!(
-            buckets.rows(),
-            vec![(0, Some(2), Some(1.0), 1), (2, Some(4), None, 0)]
-        );
+        assert_eq!(buckets.rows(), vec![(0, 2, Some(1.0), 1), (2, 4, None, 0)]);
     }
 }
