@@ -79,6 +79,10 @@ struct CommonArgs {
     /// Silence the load log.
     #[arg(long, short)]
     quiet: bool,
+    /// Keep an FP16 copy of the loop body's weights on the GPU for prefill GEMMs through cuBLAS
+    /// (default: TINYLOOP_EXPERIMENTAL_FP16_BODY=1).
+    #[arg(long)]
+    fp16_body: bool,
 }
 
 #[derive(Args)]
@@ -508,6 +512,7 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
         device: common.device,
         kv_mode: common.kv,
         log: !common.quiet && !common.json,
+        fp16_body: common.fp16_body.then_some(true),
         ..ModelOptions::default()
     };
     Model::open(path, &options)

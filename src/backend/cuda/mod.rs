@@ -21,7 +21,9 @@
 //! and token choice), `graph` (decode graphs).
 
 mod attention;
+mod blas;
 mod driver;
+pub mod fp16_body;
 mod gpu;
 mod graph;
 pub(crate) mod kernels;
@@ -74,6 +76,8 @@ pub fn available() -> std::result::Result<usize, String> {
 /// The CUDA op set on one GPU, issuing work to one stream.
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
+    /// cuBLAS on `stream`, when the model has an FP16 body cache (dropped before the stream).
+    blas: Option<Box<blas::Blas>>,
     stream: Arc<CudaStream>,
     /// Argmax slots and, for sessions, the attention tickets and split partials (SCRATCH_*).
     scratch: DevBuf,
@@ -135,6 +139,7 @@ impl CudaBackend {
         let overlap = gpu.arch.0 >= 9 && switch_on("TINYLOOP_CUDA_PDL");
         Ok(CudaBackend {
             gpu,
+            blas: None,
             stream,
             scratch,
             split_floats,
@@ -161,7 +166,9 @@ impl CudaBackend {
             ms: 0.0,
         };
         let tickets = SPLIT_ROWS * config.n_heads;
-        CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)
+        let mut backend = CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)?;
+        backend.blas = backend.session_blas_like(self)?;
+        Ok(backend)
     }
 
     /// How this open obtained the kernels, and how long it took.
@@ -196,7 +203,7 @@ impl CudaBackend {
 
     /// Device memory held by this backend instance itself (scratch).
     pub fn own_bytes(&self) -> usize {
-        self.scratch.bytes
+        self.scratch.bytes + self.blas.as_ref().map_or(0, |b| b.workspace_bytes())
     }
 
     pub fn l2_bytes(&self) -> usize {
@@ -431,7 +438,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_bytes(&self, w: &CudaLinear) -> usize {
-        w.buf.bytes
+        w.buf.bytes + w.fp16.get().map_or(0, |copy| copy.bytes)
     }
 
     fn kv_bytes(&self, kv: &CudaKv) -> usize {
