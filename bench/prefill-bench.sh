@@ -9,6 +9,9 @@
 # weight-only decode). Logs and JSON go to OUT; a side-by-side table is printed last and written
 # to OUT/prefill-summary.txt.
 #   PROMPTS="512 2048" LOOPS="1 4 8" BITS="4 2" REPEATS=5 COMPILE_MODE=default TORCH=1
+# Expected time on an H200: about 3 minutes for TinyLoop (24 prefill and 4 decode runs, two
+# synths) and 3 to 5 for the peer (torch.compile of the block and of two decode steps); each
+# step is cut off after STEP_TIMEOUT seconds (300), the peer after PEER_TIMEOUT (420).
 set -uo pipefail
 bundle="$(cd "$1" && pwd)"
 out="$2"
@@ -26,9 +29,9 @@ log="$out/prefill-bench.log"
 step() { printf '\n=== %s\n' "$*" | tee -a "$log"; }
 # The last line of a command's stdout (its JSON), stderr to the log; failures are logged, not fatal.
 json() {
-    local dest="$1"
-    shift
-    if ! timeout "${STEP_TIMEOUT:-300}" "$@" 2>>"$log" | tail -n 1 >"$dest"; then
+    local dest="$1" limit="$2"
+    shift 2
+    if ! timeout "$limit" "$@" 2>>"$log" | tail -n 1 >"$dest"; then
         echo "FAILED: $*" | tee -a "$log"
     fi
     cat "$dest" >>"$log"
@@ -47,13 +50,13 @@ for bits in "${bits_list[@]}"; do
                 step "prefill $tag n=$n L=$l"
                 extra=()
                 [ "$n" = 2048 ] && [ "$l" = 8 ] && extra=(--score)
-                json "$out/prefill-$tag-n$n-L$l.json" "$tl" "$model" bench --device cuda --json -q \
+                json "$out/prefill-$tag-n$n-L$l.json" "${STEP_TIMEOUT:-300}" "$tl" "$model" bench --device cuda --json -q \
                     --loops "$l" --prompt-len "$n" --gen-len 2 --repeats "$repeats" \
                     --max-seq-len $((n + 64)) $body "${extra[@]}"
             done
         done
         step "decode $tag prompt 128 L=8"
-        json "$out/decode-$tag.json" "$tl" "$model" bench --device cuda --json -q --loops 8 \
+        json "$out/decode-$tag.json" "${STEP_TIMEOUT:-300}" "$tl" "$model" bench --device cuda --json -q --loops 8 \
             --prompt-len 128 --gen-len 128 --repeats 3 $body
     done
 done
@@ -61,7 +64,7 @@ done
 if [ "${TORCH:-1}" = 1 ]; then
     step "PyTorch peer (tl-407m INT4)"
     csv() { local IFS=,; echo "$*"; }
-    json "$out/torch-peer.json" python3 "$bundle/bench/torch_peer.py" "$work/tl-407m-b${bits_list[0]}.tinyloop" \
+    json "$out/torch-peer.json" "${PEER_TIMEOUT:-420}" python3 "$bundle/bench/torch_peer.py" "$work/tl-407m-b${bits_list[0]}.tinyloop" \
         --json --prompts "$(csv "${prompts[@]}")" --loops "$(csv "${loops[@]}")" \
         --compile-mode "${COMPILE_MODE:-default}" --decode-loops 8 --decode-prompt 128
 fi
@@ -83,7 +86,7 @@ def peer_row(impl_prefix, n, l):
     return {}
 rows = ["prefill: ms to the first token (TFLOP/s); peer = PyTorch on the same weights in FP16, "
         f"torch {peer.get('torch', '?')}, compile mode {peer.get('compile_mode', '?')}",
-        f"{'bits':>4} {'body':>9} {'n':>5} {'L':>2} | {'TinyLoop':>18} | {'torch eager':>18} | {'torch.compile':>18}"]
+        f"{'bits':>4} {'fp16 body':>9} {'n':>5} {'L':>2} | {'TinyLoop':>18} | {'torch eager':>18} | {'torch.compile':>18}"]
 def cell(ms, tf):
     return f"{ms:8.2f} ({tf:6.1f})" if ms == ms else f"{'-':>8} {'':8}"
 for path in sorted(glob.glob(os.path.join(out, "prefill-b*-n*-L*.json")),
@@ -91,7 +94,7 @@ for path in sorted(glob.glob(os.path.join(out, "prefill-b*-n*-L*.json")),
     d = load(path)
     tag = os.path.basename(path)[len("prefill-"):].split("-n")[0]
     bits = tag[1]
-    body = "fp16" if "fp16body" in tag else "int"
+    body = "on" if "fp16body" in tag else "off"
     n = int(path.split("-n")[1].split("-")[0])
     l = int(path.split("-L")[1].split(".")[0])
     ours = cell(d["prefill_ms"], d["prefill_tflops_per_s"]) if d else cell(nan, nan)

@@ -26,8 +26,8 @@ plus the factorized embedding's projection and 2 * dim * vocab for the head on t
 usage: torch_peer.py MODEL.tinyloop [--prompts 512,2048] [--loops 1,4,8] [--repeats 10]
        [--compile-mode default] [--no-compile] [--no-decode] [--decode-loops 8]
        [--decode-prompt 128] [--steps 128] [--json]
-Prints one line per measurement while running and a table last; --json prints one JSON object
-last instead.
+Prints one line per measurement on stderr while running, and a table (or, with --json, one
+JSON object) on stdout at the end.
 """
 
 import argparse
@@ -324,7 +324,8 @@ def time_decode(net, step, prompt, steps, repeats):
 
 
 def log(line):
-    print(line, flush=True)
+    """Progress, on stderr (stdout carries the table, or the JSON with --json)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def main():

@@ -30,8 +30,8 @@ pub fn from_env() -> bool {
 }
 
 impl CudaBackend {
-    /// Give every quantized linear of the loop body its FP16 copy, and this backend (and the
-    /// sessions made from it) a cuBLAS handle. Returns the device bytes added and a line for
+    /// Give every quantized linear of the loop body its FP16 copy; the sessions made from this
+    /// backend then get a cuBLAS handle each. Returns the device bytes added and a line for
     /// the load log. Fails with a device error naming cuBLAS when it cannot be loaded.
     pub fn build_fp16_body(
         &mut self,
@@ -64,7 +64,9 @@ impl CudaBackend {
             }
         }
         self.sync()?;
-        self.blas = Some(Box::new(Blas::new(&self.gpu, self.stream.cu_stream())?));
+        // A handle made and dropped here: a cuBLAS that loads but cannot start fails the open.
+        self.new_blas()?;
+        self.fp16_body = true;
         let note = format!(
             "FP16 body cache: {:.1} MB of FP16 loop-body weights for prefill GEMMs (cuBLAS)",
             bytes as f64 / 1e6
@@ -72,16 +74,9 @@ impl CudaBackend {
         Ok((bytes, note))
     }
 
-    /// A cuBLAS handle for this (new session) backend when `model`'s backend has one, i.e. when
-    /// the model has an FP16 body cache.
-    pub(super) fn session_blas_like(&self, model: &CudaBackend) -> Result<Option<Box<Blas>>> {
-        match model.blas {
-            Some(_) => Ok(Some(Box::new(Blas::new(
-                &self.gpu,
-                self.stream.cu_stream(),
-            )?))),
-            None => Ok(None),
-        }
+    /// A cuBLAS handle on this backend's stream.
+    pub(super) fn new_blas(&self) -> Result<Blas> {
+        Blas::new(&self.gpu, self.stream.cu_stream())
     }
 
     /// The FP16 values of a quantized linear on the device: `scale · q + zero` in f32, rounded
@@ -105,7 +100,7 @@ impl CudaBackend {
     }
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` through cuBLAS on the FP16 copy of `w`, if it has one
-    /// and this backend a cuBLAS handle; returns whether it ran. A cuBLAS failure is
+    /// and this backend a cuBLAS handle (sessions do); returns whether it ran. A cuBLAS failure is
     /// remembered and returned by the next call that returns a `Result`.
     pub(super) fn fp16_product(
         &self,
