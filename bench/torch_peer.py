@@ -171,7 +171,7 @@ class Net(torch.nn.Module):
             else:
                 self.p[key] = frozen(t.to(dtype))
         for b in self.blocks:  # gate and up as one product of twice the width
-            self.lin[f"{b}__mlp_gateup"] = make_linear((f"{b}.mlp_gate", f"{b}.mlp_up"))
+            self.lin[f"{b}.mlp_gateup".replace(".", "__")] = make_linear((f"{b}.mlp_gate", f"{b}.mlp_up"))
         half = self.hd // 2
         freq = torch.tensor([c["rope_theta"] ** (-2.0 * i / self.hd) for i in range(half)], dtype=torch.float64)
         ang = torch.arange(max_len, dtype=torch.float64).unsqueeze(1) * freq
