@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use backend::cpu::CpuBackend;
+use backend::cuda::fp16_body;
 use backend::Backend;
 use engine::{CudaSession, Engine, Loaded, SessionState, Shared};
 use kv::KvLayout;
@@ -68,6 +69,11 @@ pub struct ModelOptions {
     pub kv_mode: Option<KvMode>,
     /// Print the load log on stderr.
     pub log: bool,
+    /// Keep an FP16 copy of the loop body's quantized weights on the GPU for prefill GEMMs
+    /// through cuBLAS (more memory, faster long prompts; weights rounded to f16 on that path,
+    /// docs/FORMAT.md "The FP16 body cache"). `None` uses `TINYLOOP_EXPERIMENTAL_FP16_BODY=1`.
+    /// Has no effect on the CPU.
+    pub fp16_body: Option<bool>,
 }
 
 impl Default for ModelOptions {
@@ -79,6 +85,7 @@ impl Default for ModelOptions {
             max_loops: 64,
             kv_mode: None,
             log: true,
+            fp16_body: None,
         }
     }
 }
@@ -170,6 +177,9 @@ impl Model {
         let (engine, device_name, weight_bytes) = match choice {
             device::Selected::Cpu { note } => {
                 notes.extend(note);
+                if options.fp16_body.unwrap_or_else(fp16_body::from_env) {
+                    notes.push("FP16 body cache: not used on the CPU".into());
+                }
                 let backend = CpuBackend;
                 let weights = Weights::load(&backend, &file, options.max_seq_len)?;
                 let bytes = weights.bytes;
@@ -180,10 +190,15 @@ impl Model {
                 )
             }
             device::Selected::Cuda(backend) => {
-                let backend = *backend;
+                let mut backend = *backend;
                 let upload = Instant::now();
-                let weights = Weights::load(&backend, &file, options.max_seq_len)?;
+                let mut weights = Weights::load(&backend, &file, options.max_seq_len)?;
                 let fit = backend.finish_load(&weights)?;
+                if options.fp16_body.unwrap_or_else(fp16_body::from_env) {
+                    let (bytes, note) = backend.build_fp16_body(&weights, &file)?;
+                    weights.bytes += bytes;
+                    notes.push(note);
+                }
                 let upload_ms = upload.elapsed().as_secs_f64() * 1e3;
                 let (note, ms) = backend.kernel_load();
                 notes.push(format!("kernels: {note}"));

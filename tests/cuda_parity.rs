@@ -52,6 +52,15 @@
 //!   Attention mixes such vectors, so the logits move by no more than that:
 //!   `mode_tol = model_tol(A) + √(√head_dim · model_tol(A) / qmax)`. Delta chains are re-encoded
 //!   against the stored earlier iterations, so a flip is not carried into later iterations.
+//! * **FP16 body cache** (`fp16_body_tol`): the GPU multiplies f16-rounded copies of the loop
+//!   body's weights, ŵ = w (1 + ε) with |ε| ≤ u = 2⁻¹¹, where the CPU uses w. A product's error
+//!   Σ εᵢ wᵢ xᵢ has, for independent roundings, an L2 norm of about u/√3 · ‖y‖ (random-sign
+//!   terms: E[y²] = Σ wᵢ² xᵢ²); we allow u per product, and a block application has four
+//!   products in sequence (QKV → attention → output; gate and up → down), each feeding the
+//!   residual stream. Over B = k · L body applications, with every error adding up:
+//!   `fp16_body_tol = model_tol(A) + 4 · B · 2⁻¹¹` (3.9·10⁻³ for tiny at L = 1, 2.1·10⁻² for
+//!   tl-407m at L = 8). A wrong offset, row or transpose in the cuBLAS call gives O(1) errors.
+//!   One-row calls keep the GEMV on the codes, so they keep `model_tol`.
 //! * **greedy tokens**: identical (asserted exactly) in the fp16 modes, since argmax margins of
 //!   these random models are far larger than the logit differences above; in the quantized modes,
 //!   identical unless the CPU's best two logits are within the parity bound (`generate_parity`).
@@ -1273,6 +1282,134 @@ fn cuda_chunked_prefill_matches_single_shot() {
                 assert_eq!(e, 0.0, "{mode} chunk {chunk}: logits differ by {e:.3e}");
                 report(&format!("chunked {mode:10} chunk {chunk}: bit-identical"));
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The FP16 body cache (docs/FORMAT.md "The FP16 body cache")
+
+/// Whole-model tolerance with the FP16 body cache: `model_tol(A)` plus the rounding of the loop
+/// body's weights to f16 (module doc, "FP16 body cache").
+fn fp16_body_tol(config: &ModelConfig, loops: usize) -> f64 {
+    let body_applications = config.n_loop_blocks * loops;
+    model_tol(config.applications(loops)) + (4 * body_applications) as f64 * 2f64.powi(-11)
+}
+
+fn open_fp16_body(path: &Path, max_seq_len: usize) -> Model {
+    let options = ModelOptions {
+        max_seq_len,
+        device: Some(Device::Cuda(0)),
+        kv_mode: Some(KvMode::Fp16),
+        log: false,
+        fp16_body: Some(true),
+        ..ModelOptions::default()
+    };
+    Model::open(path, &options)
+        .unwrap_or_else(|e| panic!("open {} with the FP16 body cache: {e}", path.display()))
+}
+
+/// Prefill logits with the FP16 body cache against the CPU reference at ragged row counts
+/// (cuBLAS M: 17, 100, 513; N and K are the models' widths, e.g. 192 and 64 on tiny, 6144 and
+/// 2048 on tl-407m), and one row, which keeps the GEMV on the codes and so the plain tolerance.
+/// The model's memory must count the copy.
+#[test]
+fn cuda_fp16_body_matches_cpu() {
+    if !cuda_or_skip("cuda_fp16_body_matches_cpu") {
+        return;
+    }
+    let mut failures = Vec::new();
+    for (name, group, bits, lengths) in [
+        ("tiny", 64, 4, &[17usize, 100, 513][..]),
+        ("tiny", 64, 2, &[17, 513][..]),
+        ("tiny", 16, 4, &[17, 100][..]), // group 16: weights the fast kernels do not take
+        ("tiny-gqa", 64, 4, &[17, 100][..]),
+        ("tl-407m", 128, 4, &[17][..]),
+    ] {
+        let path = synth(name, bits, group);
+        let cpu = open(&path, Device::Cpu, 600);
+        let gpu = open_fp16_body(&path, 600);
+        let plain = open(&path, Device::Cuda(0), 600);
+        assert!(
+            gpu.memory_bytes() > plain.memory_bytes(),
+            "{name}: the FP16 copy is counted in the model's memory"
+        );
+        let config = cpu.config().clone();
+        let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
+        for &loops in loop_counts() {
+            let tol = fp16_body_tol(&config, loops);
+            for &n in lengths {
+                let tokens = prompt(n, config.vocab_size, n as u64);
+                let e = rel(
+                    &gs.score(&tokens, Some(loops)).unwrap(),
+                    &cs.score(&tokens, Some(loops)).unwrap(),
+                );
+                let ok = e <= tol;
+                report(&format!(
+                    "fp16-body {name:9} b{bits} L={loops}: score({n}) rel {e:.2e}, tol {tol:.2e} {}",
+                    if ok { "ok" } else { "FAIL" }
+                ));
+                if !ok {
+                    failures.push(format!(
+                        "{name} b{bits} L={loops} n={n}: {e:.3e} > {tol:.3e}"
+                    ));
+                }
+            }
+            let one = &prompt(1, config.vocab_size, 5)[..];
+            let plain_tol = model_tol(config.applications(loops));
+            let e1 = rel(
+                &gs.score_last(one, Some(loops)).unwrap(),
+                &cs.score_last(one, Some(loops)).unwrap(),
+            );
+            report(&format!(
+                "fp16-body {name:9} b{bits} L={loops}: score_last(1) rel {e1:.2e}, tol {plain_tol:.2e}"
+            ));
+            if e1 > plain_tol {
+                failures.push(format!(
+                    "{name} b{bits} L={loops} one row: {e1:.3e} > {plain_tol:.3e}"
+                ));
+            }
+        }
+    }
+    finish("cuda_fp16_body_matches_cpu", failures);
+}
+
+/// With the FP16 body cache, chunked prefill stays bit-identical to single shot (chunks of more
+/// than 4 rows take cuBLAS, whose result for a row must not depend on the rows beside it), in
+/// the fp16 and fp16-h KV modes, logits and greedy tokens.
+#[test]
+fn cuda_fp16_body_chunked_prefill_matches_single_shot() {
+    if !cuda_or_skip("cuda_fp16_body_chunked_prefill_matches_single_shot") {
+        return;
+    }
+    let path = synth("tiny-gqa", 4, 64);
+    let file = ModelFile::open(&path).unwrap();
+    let config = file.config.clone();
+    let mut engine = gpu();
+    let max_seq = 600;
+    let weights = Weights::load(&engine, &file, max_seq).unwrap();
+    engine.finish_load(&weights).unwrap();
+    engine.build_fp16_body(&weights, &file).unwrap();
+    let session = engine.session(&config).unwrap();
+    let prompt = prompt(520, config.vocab_size, 78);
+    for mode in [KvMode::Fp16, KvMode::Fp16H] {
+        let run = |chunk| {
+            let layout = KvLayout::new(&config, mode, max_seq).unwrap();
+            prefill_and_decode(&session, &weights, layout, chunk, &prompt, 3, 8)
+        };
+        let (single, single_tokens) = run(0);
+        for chunk in [8, 40, 130] {
+            let (chunked, tokens) = run(chunk);
+            let e = chunked
+                .iter()
+                .zip(&single)
+                .map(|(x, y)| rel(x, y))
+                .fold(0f64, f64::max);
+            report(&format!(
+                "fp16-body chunked {mode:7} chunk {chunk}: rel {e:.2e}"
+            ));
+            assert_eq!(tokens, single_tokens, "{mode} chunk {chunk}: tokens");
+            assert_eq!(e, 0.0, "{mode} chunk {chunk}: logits differ by {e:.3e}");
         }
     }
 }

@@ -755,6 +755,54 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
     }
 }
 
+/// `tl_model_params.fp16_body` takes -1, 0 or 1 and names itself otherwise; a caller of the
+/// second header version (whose struct ends before it) is not read past its end. On the CPU the
+/// FP16 body cache has no effect, so turning it on opens the model as usual.
+#[test]
+fn model_params_fp16_body_is_checked_and_versioned() {
+    let path = model_file("tiny");
+    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_model_default_params(params.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized by the call above.
+    let mut params = unsafe { params.assume_init() };
+    assert_eq!(params.fp16_body, -1, "default: follow the environment");
+    let device = CString::new("cpu").unwrap();
+    params.device = device.as_ptr();
+    params.log = false;
+    let cpath = CString::new(path.to_str().unwrap()).unwrap();
+    let full = std::mem::size_of::<tl_model_params>();
+    let v2 = std::mem::offset_of!(tl_model_params, fp16_body);
+    for (size, value, expect) in [
+        (full, 2, tl_status::TL_ERR_INVALID_ARGUMENT),
+        (full, -2, tl_status::TL_ERR_INVALID_ARGUMENT),
+        (v2, 2, tl_status::TL_OK),
+        (full, 1, tl_status::TL_OK),
+        (full, 0, tl_status::TL_OK),
+    ] {
+        params.struct_size = size;
+        params.fp16_body = value;
+        let mut model = ptr::null_mut();
+        // SAFETY: valid strings, params (read up to struct_size) and out-pointer.
+        let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
+        assert_eq!(
+            status,
+            expect,
+            "size {size} value {value}: {}",
+            last_error()
+        );
+        if status == tl_status::TL_OK {
+            tl_model_free(model);
+        } else {
+            let message = last_error();
+            assert!(message.contains("fp16_body"), "{message}");
+        }
+    }
+}
+
 /// `tl_generate_params` of the header's first version (without `prefix_cache`) is still
 /// accepted; a size that is no version's is refused.
 #[test]

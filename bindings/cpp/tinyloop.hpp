@@ -172,6 +172,9 @@ struct ModelOptions {
     /// KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
     /// "age:A:B"; empty uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
     std::string kv_mode;
+    /// FP16 body cache: 1 keeps an FP16 copy of the loop body's quantized weights on the GPU
+    /// for prefill GEMMs through cuBLAS, 0 does not, -1 follows TINYLOOP_EXPERIMENTAL_FP16_BODY.
+    int32_t fp16_body;
 
     ModelOptions() {
         tl_model_params p;
@@ -180,6 +183,7 @@ struct ModelOptions {
         prefill_chunk = p.prefill_chunk;
         max_loops = p.max_loops;
         log = p.log;
+        fp16_body = p.fp16_body;
     }
 };
 
@@ -414,6 +418,7 @@ public:
         p.prefill_chunk = opts.prefill_chunk;
         p.max_loops = opts.max_loops;
         p.log = opts.log;
+        p.fp16_body = opts.fp16_body;
         p.device = opts.device.empty() ? nullptr : opts.device.c_str();
         p.kv_mode = opts.kv_mode.empty() ? nullptr : opts.kv_mode.c_str();
         detail::check(tl_model_open(path.c_str(), &p, &ptr_));

@@ -82,6 +82,10 @@ type Options struct {
 	// "age" or "age:A:B"; "" uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
 	KVMode string
 	Log    bool // print the load log on stderr
+	// FP16Body 1 keeps an FP16 copy of the loop body's quantized weights on the GPU for
+	// prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path), 0 does
+	// not, -1 (the default) follows TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU.
+	FP16Body int
 }
 
 // DefaultOptions returns the library's defaults (tl_model_default_params).
@@ -93,6 +97,7 @@ func DefaultOptions() Options {
 		PrefillChunk: int(p.prefill_chunk),
 		MaxLoops:     int(p.max_loops),
 		Log:          bool(p.log),
+		FP16Body:     int(p.fp16_body),
 	}
 }
 
@@ -421,6 +426,10 @@ func Open(path string, opts *Options) (*Model, error) {
 		params.prefill_chunk = C.uint32_t(opts.PrefillChunk)
 		params.max_loops = C.uint32_t(opts.MaxLoops)
 		params.log = C.bool(opts.Log)
+		if opts.FP16Body < -1 || opts.FP16Body > 1 {
+			return nil, invalid("Open: FP16Body %d must be -1, 0 or 1", opts.FP16Body)
+		}
+		params.fp16_body = C.int32_t(opts.FP16Body)
 		if opts.Device != "" {
 			device := C.CString(opts.Device)
 			defer C.free(unsafe.Pointer(device))

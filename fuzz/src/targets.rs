@@ -44,6 +44,7 @@ pub fn open_decode(bytes: &[u8]) -> Result<Outcome, String> {
         max_loops: 8,
         kv_mode: None,
         log: false,
+        fp16_body: None,
     };
     let opened = Model::open(&path, &options);
     std::fs::remove_file(&path).ok(); // an open model keeps its mapping

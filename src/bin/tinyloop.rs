@@ -13,6 +13,7 @@ use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use position_buckets::{BucketEdges, PositionBuckets};
 use serde_json::json;
+use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
     Device, Error, GenerateParams, GenerateStats, KvMode, Model, ModelOptions, Result,
@@ -92,6 +93,10 @@ struct CommonArgs {
     /// Silence the load log.
     #[arg(long, short)]
     quiet: bool,
+    /// Keep an FP16 copy of the loop body's weights on the GPU for prefill GEMMs through cuBLAS
+    /// (default: TINYLOOP_EXPERIMENTAL_FP16_BODY=1).
+    #[arg(long)]
+    fp16_body: bool,
 }
 
 #[derive(Args)]
@@ -229,6 +234,9 @@ struct BenchArgs {
     /// Run the prompt once at L loops into a resume handle and time resuming it at --loops.
     #[arg(long, value_name = "L", conflicts_with = "draft_loops")]
     resume_from: Option<usize>,
+    /// Also time a score call (logits for every prompt position) over the prompt.
+    #[arg(long)]
+    score: bool,
 }
 
 #[derive(Parser)]
@@ -533,6 +541,7 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
         device: common.device,
         kv_mode: common.kv,
         log: !common.quiet && !common.json,
+        fp16_body: common.fp16_body.then_some(true),
         ..ModelOptions::default()
     };
     Model::open(path, &options)
@@ -975,6 +984,16 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     progress.show(1 + args.repeats);
     let prefill_ms = median(prefill);
     let decode_ms = median(decode);
+    let score_ms = if args.score {
+        Some(time_score(
+            &mut session,
+            &prompt,
+            common.loops,
+            args.repeats,
+        )?)
+    } else {
+        None
+    };
     // Opening again in the same process: the driver, context and kernels are loaded already, as
     // for a service that loads a second model or reloads one.
     let start = Instant::now();
@@ -986,6 +1005,12 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     let reload_ms = start.elapsed().as_secs_f64() * 1e3;
     progress.finish();
     let loops = common.loops.unwrap_or(model.config().default_loops);
+    // Throughput counts as bench/torch_peer.py does (tinyloop::model::flops): the first token's
+    // time covers the prompt's forward pass and the head on its last row.
+    let (config, n) = (model.config(), args.prompt_len);
+    let prefill_flops = forward_flops(config, n, 0, loops, 1);
+    let score_flops = forward_flops(config, n, 0, loops, n);
+    let tflops = |flops: f64, ms: f64| flops / (ms * 1e-3) / 1e12;
     let report = json!({
         "device": model.info().device,
         "loops": loops,
@@ -995,6 +1020,10 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "gen_len": args.gen_len,
         "prefill_ms": prefill_ms,
         "prefill_tokens_per_s": args.prompt_len as f64 / prefill_ms * 1e3,
+        "prefill_flops": prefill_flops,
+        "prefill_tflops_per_s": tflops(prefill_flops, prefill_ms),
+        "score_ms": score_ms,
+        "score_tflops_per_s": score_ms.map(|ms| tflops(score_flops, ms)),
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "memory_mb": model.memory_bytes() as f64 / 1e6,
@@ -1029,9 +1058,37 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
             session.kv_bytes() as f64 / 1e6,
             common.max_seq_len,
         );
+        println!(
+            "  prefill compute {:>10.1} TFLOP/s ({:.1} ms)",
+            tflops(prefill_flops, prefill_ms),
+            prefill_ms
+        );
+        if let Some(ms) = score_ms {
+            println!(
+                "  score ({n:>4} tok) {ms:>9.2} ms ({:.1} TFLOP/s)",
+                tflops(score_flops, ms)
+            );
+        }
         if let Some(kernels) = &model.info().kernels {
             println!("  kernels         {kernels}");
         }
     }
     Ok(())
+}
+
+/// Median milliseconds of `repeats` score calls over `prompt` (after one warm-up call).
+fn time_score(
+    session: &mut tinyloop::Session,
+    prompt: &[u32],
+    loops: Option<usize>,
+    repeats: usize,
+) -> Result<f64> {
+    session.score(prompt, loops)?;
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let start = Instant::now();
+        session.score(prompt, loops)?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(median(times))
 }

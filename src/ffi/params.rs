@@ -36,6 +36,11 @@ pub struct tl_model_params {
     /// (TINYLOOP_KV_INT8=1 → "int8", TINYLOOP_KV_DELTA=1 → "delta"), else "fp16". Only read
     /// during `tl_model_open`.
     pub kv_mode: *const c_char,
+    /// FP16 body cache: 1 keeps an FP16 copy of the loop body's quantized weights on the GPU for
+    /// prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path,
+    /// docs/FORMAT.md "The FP16 body cache"), 0 does not, -1 (default) follows
+    /// TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU. Other values are rejected.
+    pub fp16_body: i32,
 }
 
 /// Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
@@ -181,6 +186,7 @@ fn default_model_params() -> tl_model_params {
         max_loops: saturate(d.max_loops),
         log: d.log,
         kv_mode: std::ptr::null(),
+        fp16_body: -1,
     }
 }
 
@@ -306,9 +312,20 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
         default_model_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `kv_mode`.
+        // header ended before `kv_mode`, version 2 before `fp16_body`.
         let v1 = std::mem::offset_of!(tl_model_params, kv_mode);
-        unsafe { read_versioned(params, default_model_params(), &[v1], "tl_model_params") }?
+        let v2 = std::mem::offset_of!(tl_model_params, fp16_body);
+        unsafe { read_versioned(params, default_model_params(), &[v1, v2], "tl_model_params") }?
+    };
+    let fp16_body = match p.fp16_body {
+        -1 => None,
+        0 => Some(false),
+        1 => Some(true),
+        v => {
+            return Err(Failure::invalid(format!(
+                "tl_model_params.fp16_body must be -1 (environment), 0 or 1, got {v}"
+            )))
+        }
     };
     let device = if p.device.is_null() {
         None
@@ -331,6 +348,7 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
         max_loops: p.max_loops as usize,
         kv_mode,
         log: p.log,
+        fp16_body,
     })
 }
 

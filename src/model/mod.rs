@@ -1,6 +1,7 @@
 //! The model family: architecture, tensor layout, quantization, weights and the forward pass.
 
 pub mod config;
+pub mod flops;
 pub mod forward;
 pub mod layout;
 pub mod quant;

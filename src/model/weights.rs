@@ -113,7 +113,7 @@ impl<B: Backend> Weights<B> {
     }
 }
 
-fn host_linear<'f>(file: &'f ModelFile, name: &str) -> Result<HostLinear<'f>> {
+pub(crate) fn host_linear<'f>(file: &'f ModelFile, name: &str) -> Result<HostLinear<'f>> {
     let (entry, bytes) = file
         .tensor(name)
         .ok_or_else(|| Error::format(format!("missing tensor {name}")))?;

@@ -107,6 +107,16 @@ def test_bad_kv_mode_is_a_value_error_listing_the_modes(model_path):
         tinyloop_py.Model(model_path, kv_mode="age:4096:1024", log=False)
 
 
+def test_fp16_body_is_a_bool_and_changes_nothing_on_the_cpu(model_path):
+    with pytest.raises(TypeError, match="fp16_body"):
+        tinyloop_py.Model(model_path, device="cpu", fp16_body=1, log=False)
+    outputs = []
+    for fp16_body in (None, False, True):
+        with tinyloop_py.Model(model_path, max_seq_len=128, device="cpu", fp16_body=fp16_body, log=False) as m:
+            outputs.append(list(m.generate(list(range(1, 20)), max_tokens=6)))
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
 def test_load_is_an_alias(model_path):
     m = tinyloop_py.load(model_path, max_seq_len=64, device="cpu", log=False)
     try:

@@ -649,6 +649,9 @@ class Model(_Runner):
         "age" or "age:A:B" (ValueError for others); None uses ``TINYLOOP_KV_INT8`` /
         ``TINYLOOP_KV_DELTA``, else "fp16".
     :param log: print the load log on stderr.
+    :param fp16_body: keep an FP16 copy of the loop body's quantized weights on the GPU for
+        prefill GEMMs through cuBLAS (more memory, faster long prompts; weights rounded to f16
+        on that path); None follows ``TINYLOOP_EXPERIMENTAL_FP16_BODY=1``. No effect on the CPU.
     :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
         is unusable; the message names the failure point.
     :raises ValueError: ``max_seq_len <= 0`` (and other invalid arguments).
@@ -673,6 +676,7 @@ class Model(_Runner):
         max_loops: int = 64,
         kv_mode: Optional[str] = None,
         log: bool = True,
+        fp16_body: Optional[bool] = None,
     ):
         super().__init__()
         self._config: Optional[Dict[str, Any]] = None
@@ -690,6 +694,9 @@ class Model(_Runner):
         params.device = device_bytes
         kv_mode_bytes = None if kv_mode is None else str(kv_mode).encode("utf-8")
         params.kv_mode = kv_mode_bytes
+        if fp16_body is not None and not isinstance(fp16_body, bool):
+            raise TypeError(f"fp16_body must be a bool or None, got {type(fp16_body).__name__}")
+        params.fp16_body = -1 if fp16_body is None else int(fp16_body)
         handle = ctypes.c_void_p()
         _check(
             _dll.tl_model_open(os.fsencode(os.fspath(path)), ctypes.byref(params),

@@ -53,6 +53,7 @@ class ModelParams(ctypes.Structure):
         ("max_loops", ctypes.c_uint32),
         ("log", ctypes.c_bool),
         ("kv_mode", ctypes.c_char_p),
+        ("fp16_body", ctypes.c_int32),
     ]
 
 

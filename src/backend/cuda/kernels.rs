@@ -327,30 +327,7 @@ fn load_nvrtc() -> Result<()> {
     if unsafe { nvrtc::is_culib_present() } {
         return Ok(());
     }
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os("TINYLOOP_NVRTC").map(PathBuf::from) {
-        if p.is_file() {
-            dirs.extend(p.parent().map(Path::to_path_buf));
-        } else {
-            dirs.push(p);
-        }
-    }
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(p) = std::env::var_os(var) {
-            dirs.push(PathBuf::from(p).join("lib64"));
-        }
-    }
-    dirs.push("/usr/local/cuda/lib64".into());
-    dirs.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
-    dirs.push("/usr/local/cuda/targets/sbsa-linux/lib".into());
-    for pattern in [
-        "/usr/lib/python3*/site-packages/nvidia/cu13/lib",
-        "/usr/local/lib/python3*/dist-packages/nvidia/cu13/lib",
-        "/usr/local/lib/python3*/site-packages/nvidia/cu13/lib",
-        "/opt/*/.venv/lib/python3*/site-packages/nvidia/cu13/lib",
-    ] {
-        dirs.extend(expand(pattern));
-    }
+    let dirs = library_dirs("TINYLOOP_NVRTC");
     for dir in &dirs {
         let lib = dir.join("libnvrtc.so.13");
         if !lib.is_file() {
@@ -377,8 +354,39 @@ fn load_nvrtc() -> Result<()> {
     ))
 }
 
+/// Folders that may hold the CUDA libraries (NVRTC, cuBLAS) when the usual library search does not
+/// find them: the one named by `var` (a folder or a library in it), the toolkit's, and the CUDA
+/// 13 Python wheels'.
+pub(super) fn library_dirs(var: &str) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os(var).map(PathBuf::from) {
+        if p.is_file() {
+            dirs.extend(p.parent().map(Path::to_path_buf));
+        } else {
+            dirs.push(p);
+        }
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(p) = std::env::var_os(var) {
+            dirs.push(PathBuf::from(p).join("lib64"));
+        }
+    }
+    dirs.push("/usr/local/cuda/lib64".into());
+    dirs.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
+    dirs.push("/usr/local/cuda/targets/sbsa-linux/lib".into());
+    for pattern in [
+        "/usr/lib/python3*/site-packages/nvidia/cu13/lib",
+        "/usr/local/lib/python3*/dist-packages/nvidia/cu13/lib",
+        "/usr/local/lib/python3*/site-packages/nvidia/cu13/lib",
+        "/opt/*/.venv/lib/python3*/site-packages/nvidia/cu13/lib",
+    ] {
+        dirs.extend(expand(pattern));
+    }
+    dirs
+}
+
 /// Load a shared library for the rest of the process, so that later loads by its soname find it.
-fn dlopen_global(path: &Path) {
+pub(super) fn dlopen_global(path: &Path) {
     let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
         return;
     };

@@ -2,6 +2,7 @@
 //! tensor-core GEMM for prefill, and the generic fallback for shapes the fast kernels do not take.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use super::driver::{Arg, DevBuf};
 use super::{blocks_for, kernels, CudaBackend};
@@ -25,6 +26,8 @@ pub struct CudaLinear {
     tpr: u32,
     /// Loads are marked evict-first in L2 (everything but the loop body; see `finish_load`).
     pub(super) streamed: AtomicBool,
+    /// FP16 values for cuBLAS prefill products (the opt-in FP16 body cache; `fp16_body`).
+    pub(super) fp16: OnceLock<DevBuf>,
 }
 
 impl CudaLinear {
@@ -100,6 +103,7 @@ impl CudaBackend {
             fast,
             tpr: choose_tpr(w.rows, units.max(1), self.gpu.sms),
             streamed: AtomicBool::new(true),
+            fp16: OnceLock::new(),
         })
     }
 
@@ -150,6 +154,9 @@ impl CudaBackend {
         out: u64,
         accumulate: bool,
     ) {
+        if self.fp16_product(x, rows, w, &range, out, accumulate) {
+            return;
+        }
         let n = range.len();
         let groups = if w.bits == 16 { 1 } else { w.cols / w.group };
         let scales = w.params() + (range.start * groups * 2) as u64;

@@ -13,15 +13,19 @@
 //! * Numerics follow the contract in docs/FORMAT.md: f32 residual stream, f16 inputs of every
 //!   linear layer, quantized weights applied as `scale · q + zero` with f32 accumulation. The
 //!   tensor-core prefill GEMM multiplies the integer codes (exact in f16) and applies scale and
-//!   zero in f32 per group, so no weight is rounded to f16 on any path.
+//!   zero in f32 per group, so no weight is rounded to f16 on any path but the opt-in FP16 body
+//!   cache's (`fp16_body`: an FP16 copy of the loop body for cuBLAS prefill GEMMs).
 //!
 //! Modules, one job each: `driver` (driver calls, device memory, launches), `gpu` (the
 //! process-wide context, properties and kernels), `kernels` (NVRTC and the kernel cache),
 //! `linear` (weights, GEMV, GEMM), `attention` (KV cache and attention), `step` (the step block
-//! and token choice), `graph` (decode graphs).
+//! and token choice), `graph` (decode graphs), `blas` (cuBLAS), `fp16_body` (the FP16 body
+//! cache).
 
 mod attention;
+mod blas;
 mod driver;
+pub mod fp16_body;
 mod gpu;
 mod graph;
 pub(crate) mod kernels;
@@ -74,6 +78,11 @@ pub fn available() -> std::result::Result<usize, String> {
 /// The CUDA op set on one GPU, issuing work to one stream.
 pub struct CudaBackend {
     gpu: Arc<Gpu>,
+    /// The model has an FP16 body cache: sessions made from this backend get `blas`.
+    fp16_body: bool,
+    /// cuBLAS on `stream`, in sessions of a model with an FP16 body cache (dropped before the
+    /// stream).
+    blas: Option<Box<blas::Blas>>,
     stream: Arc<CudaStream>,
     /// Argmax slots and, for sessions, the attention tickets and split partials (SCRATCH_*).
     scratch: DevBuf,
@@ -135,6 +144,8 @@ impl CudaBackend {
         let overlap = gpu.arch.0 >= 9 && switch_on("TINYLOOP_CUDA_PDL");
         Ok(CudaBackend {
             gpu,
+            fp16_body: false,
+            blas: None,
             stream,
             scratch,
             split_floats,
@@ -161,7 +172,11 @@ impl CudaBackend {
             ms: 0.0,
         };
         let tickets = SPLIT_ROWS * config.n_heads;
-        CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)
+        let mut backend = CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)?;
+        if self.fp16_body {
+            backend.blas = Some(Box::new(backend.new_blas()?));
+        }
+        Ok(backend)
     }
 
     /// How this open obtained the kernels, and how long it took.
@@ -196,7 +211,7 @@ impl CudaBackend {
 
     /// Device memory held by this backend instance itself (scratch).
     pub fn own_bytes(&self) -> usize {
-        self.scratch.bytes
+        self.scratch.bytes + self.blas.as_ref().map_or(0, |b| b.workspace_bytes())
     }
 
     pub fn l2_bytes(&self) -> usize {
@@ -431,7 +446,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_bytes(&self, w: &CudaLinear) -> usize {
-        w.buf.bytes
+        w.buf.bytes + w.fp16.get().map_or(0, |copy| copy.bytes)
     }
 
     fn kv_bytes(&self, kv: &CudaKv) -> usize {

@@ -1,0 +1,127 @@
+//! The opt-in FP16 body cache (`ModelOptions::fp16_body`, `TINYLOOP_EXPERIMENTAL_FP16_BODY=1`):
+//! an FP16 copy of the loop body's quantized linears, kept beside the codes, that feeds cuBLAS
+//! for the multi-row products of prefill. The body is applied L times per token, so its GEMMs
+//! are most of a prefill's arithmetic; cuBLAS runs them at tensor-core rate on FP16 operands.
+//!
+//! Numerics (docs/FORMAT.md "The FP16 body cache"): each weight is dequantized as
+//! `scale · q + zero` in f32 (the CPU reference's rule) and rounded once to f16; products are
+//! accumulated in f32. Decode rows (the GEMV path) keep reading the codes, so only products of
+//! more rows than the GEMV takes change.
+
+use rayon::prelude::*;
+
+use half::f16;
+
+use super::blas::{self, Blas};
+use super::{CudaBackend, CudaLinear};
+use crate::backend::HostLinear;
+use crate::error::{Error, Result};
+use crate::format::ModelFile;
+use crate::model::layout::{block_name, Stage, BLOCK_LINEARS};
+use crate::model::quant::f16_to_bytes;
+use crate::model::weights::{host_linear, Weights};
+
+/// Whether `TINYLOOP_EXPERIMENTAL_FP16_BODY` asks for the FP16 body cache (`1`, `on`, `true`).
+pub fn from_env() -> bool {
+    matches!(
+        std::env::var("TINYLOOP_EXPERIMENTAL_FP16_BODY").as_deref(),
+        Ok("1") | Ok("on") | Ok("true")
+    )
+}
+
+impl CudaBackend {
+    /// Give every quantized linear of the loop body its FP16 copy; the sessions made from this
+    /// backend then get a cuBLAS handle each. Returns the device bytes added and a line for
+    /// the load log. Fails with a device error naming cuBLAS when it cannot be loaded.
+    pub fn build_fp16_body(
+        &mut self,
+        weights: &Weights<CudaBackend>,
+        file: &ModelFile,
+    ) -> Result<(usize, String)> {
+        blas::load()?;
+        let config = &weights.config;
+        let mut bytes = 0usize;
+        for index in 0..config.n_loop_blocks {
+            let block = &weights.blocks[config.n_pre_blocks + index];
+            let linears = [
+                &block.attn_qkv,
+                &block.attn_out,
+                &block.mlp_gate,
+                &block.mlp_up,
+                &block.mlp_down,
+            ];
+            for (w, name) in linears.into_iter().zip(BLOCK_LINEARS) {
+                let host =
+                    host_linear(file, &format!("{}.{name}", block_name(Stage::Loop, index)))?;
+                if !host.dtype.is_quantized() {
+                    continue; // already FP16: the tensor-core GEMM reads it as it is
+                }
+                let copy = self.upload_fp16_copy(&host)?;
+                bytes += copy.bytes;
+                w.fp16
+                    .set(copy)
+                    .map_err(|_| Error::Device("the FP16 body cache was built twice".into()))?;
+            }
+        }
+        self.sync()?;
+        // A handle made and dropped here: a cuBLAS that loads but cannot start fails the open.
+        self.new_blas()?;
+        self.fp16_body = true;
+        let note = format!(
+            "FP16 body cache: {:.1} MB of FP16 loop-body weights for prefill GEMMs (cuBLAS)",
+            bytes as f64 / 1e6
+        );
+        Ok((bytes, note))
+    }
+
+    /// A cuBLAS handle on this backend's stream.
+    pub(super) fn new_blas(&self) -> Result<Blas> {
+        Blas::new(&self.gpu, self.stream.cu_stream())
+    }
+
+    /// The FP16 values of a quantized linear on the device: `scale · q + zero` in f32, rounded
+    /// to f16 (round to nearest even), row-major `[rows, cols]`.
+    fn upload_fp16_copy(&self, host: &HostLinear) -> Result<super::DevBuf> {
+        let q = host.to_quantized()?;
+        let what = format!("the FP16 copy of a {}x{} weight", host.rows, host.cols);
+        let mut values: Vec<f16> = crate::alloc::zeroed(host.rows * host.cols, &what)?;
+        values.par_chunks_mut(host.cols).enumerate().for_each_init(
+            || vec![0f32; host.cols],
+            |row_f32, (row, out)| {
+                q.dequantize_row(row, row_f32);
+                for (o, &v) in out.iter_mut().zip(row_f32.iter()) {
+                    *o = f16::from_f32(v);
+                }
+            },
+        );
+        let buf = self.gpu.alloc(values.len() * 2, &what)?;
+        self.upload(&buf, 0, &f16_to_bytes(&values))?;
+        Ok(buf)
+    }
+
+    /// `out[r] (+)= x[r] · w[range]ᵀ` through cuBLAS on the FP16 copy of `w`, if it has one
+    /// and this backend a cuBLAS handle (sessions do); returns whether it ran. A cuBLAS failure is
+    /// remembered and returned by the next call that returns a `Result`.
+    pub(super) fn fp16_product(
+        &self,
+        x: u64,
+        rows: usize,
+        w: &CudaLinear,
+        range: &std::ops::Range<usize>,
+        out: u64,
+        accumulate: bool,
+    ) -> bool {
+        let (Some(copy), Some(blas)) = (w.fp16.get(), self.blas.as_ref()) else {
+            return false;
+        };
+        let first = copy.ptr + (range.start * w.cols * 2) as u64;
+        let r = self
+            .gpu
+            .bind()
+            .and_then(|_| blas.gemm_f16_f32(x, rows, w.cols, first, range.len(), out, accumulate));
+        if let Err(e) = r {
+            self.remember(e.to_string());
+        }
+        true
+    }
+}
