@@ -1,6 +1,7 @@
 // Causal attention over the KV cache, for prefill and decode: over f16 entries (the fp16 mode,
 // and the K and V that the h modes recompute), or over quantized entries read through the
 // cache layout (kv.cuh: INT8, delta chains, age tiers), summed over the application's chain.
+// Multi-row steps of the fp16 mode go to flash.cu instead when it takes the head dimension.
 //
 // grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..start_pos + r, read
 // from the step block in device memory (so a captured decode graph replays at any position).

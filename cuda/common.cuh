@@ -69,6 +69,19 @@ DEV f16_t f32_to_f16(float f) {
 // The value an f16 buffer would hold.
 DEV float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 
+// d += a * b on the tensor cores: m16n8k16, f16 inputs, f32 accumulation (sm_80 and later).
+// Fragments (g = lane / 4, t = lane % 4; the lower 16 bits hold the lower index):
+//   a[0]: A[g][2t..2t+1]   a[1]: A[g+8][2t..2t+1]   a[2]: A[g][2t+8..]   a[3]: A[g+8][2t+8..]
+//   b[0]: B[2t..2t+1][g]   b[1]: B[2t+8..2t+9][g]
+//   d[0..1]: D[g][2t..2t+1]   d[2..3]: D[g+8][2t..2t+1]
+DEV void mma16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 DEV float lo_f16(u32 w) { return f16_to_f32((f16_t)(w & 0xffffu)); }
 DEV float hi_f16(u32 w) { return f16_to_f32((f16_t)(w >> 16)); }
 

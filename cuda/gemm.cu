@@ -18,14 +18,6 @@
 #define BK 32
 #define SROW (BK / 2 + 4) // u32 words per shared row: 16 (32 halves) + 4 padding
 
-DEV void mma16816(float* d, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 // (1024 + c0, 1024 + c1) as f16x2 minus (1024, 1024): the codes as exact f16 values.
 DEV u32 codes_to_f16x2(u32 pair) {
     u32 r;

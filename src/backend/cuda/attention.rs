@@ -49,11 +49,11 @@ struct QuantKvArg {
 
 /// Where f16 entries are: K and V of slot `slot` at `k + slot · slot_stride` (in f16 values),
 /// positions `kv_dim` apart.
-struct F16Entries {
-    k: u64,
-    v: u64,
-    slot: usize,
-    slot_stride: usize,
+pub(super) struct F16Entries {
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) slot: usize,
+    pub(super) slot_stride: usize,
     capacity: usize,
 }
 
@@ -178,6 +178,9 @@ impl CudaBackend {
         let mode = kv.layout.mode;
         if mode == KvMode::Fp16 {
             let f16 = self.f16_entries(kv, at.own());
+            if self.flash_attend(qkv, step, rows, kv, &f16, out) {
+                return;
+            }
             return self.attend(qkv, step, rows, kv, &f16, out, None);
         }
         if !mode.stores_input() {

@@ -28,7 +28,7 @@ mod shipped;
 pub use shipped::ship;
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
-pub(crate) const SOURCES: [(&str, &str); 8] = [
+pub(crate) const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
     ("kv.cuh", include_str!("../../../cuda/kv.cuh")),
     (
@@ -38,13 +38,14 @@ pub(crate) const SOURCES: [(&str, &str); 8] = [
     ("gemv.cu", include_str!("../../../cuda/gemv.cu")),
     ("gemm.cu", include_str!("../../../cuda/gemm.cu")),
     ("attention.cu", include_str!("../../../cuda/attention.cu")),
+    ("flash.cu", include_str!("../../../cuda/flash.cu")),
     ("sample.cu", include_str!("../../../cuda/sample.cu")),
     ("kv.cu", include_str!("../../../cuda/kv.cu")),
 ];
 
 /// The programs NVRTC compiles, in parallel: a source file and its extra options. The GEMV file
 /// is split by bit width because it dominates the compile time.
-const PROGRAMS: [(&str, &str); 8] = [
+const PROGRAMS: [(&str, &str); 9] = [
     ("elementwise.cu", ""),
     ("gemv.cu", "-DGEMV_BITS=16"),
     ("gemv.cu", "-DGEMV_BITS=4"),
@@ -53,6 +54,7 @@ const PROGRAMS: [(&str, &str); 8] = [
     ("attention.cu", ""),
     ("sample.cu", ""),
     ("kv.cu", ""),
+    ("flash.cu", ""),
 ];
 
 // Indices into PROGRAMS of the modules that hold each kernel family.
@@ -63,6 +65,7 @@ const GEMM: usize = 4;
 const ATTENTION: usize = 5;
 const SAMPLE: usize = 6;
 const KV: usize = 7;
+const FLASH: usize = 8;
 
 /// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
 const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
@@ -77,6 +80,8 @@ pub(crate) const BITS: [u32; 3] = [16, 4, 2];
 pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
+/// Head dimensions the tensor-core prefill attention is instantiated for, in index order.
+pub(crate) const FLASH_HD: [usize; 4] = [16, 32, 64, 128];
 
 /// Every kernel function of the loaded modules.
 pub(crate) struct Kernels {
@@ -101,6 +106,8 @@ pub(crate) struct Kernels {
     /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
     pub attention_q: [sys::CUfunction; 4],
+    /// `[FLASH_HD index]`: multi-row attention over f16 entries on the tensor cores.
+    pub flash_attention: [sys::CUfunction; 4],
     pub kv_store: sys::CUfunction,
     pub kv_move: sys::CUfunction,
     pub h_dequant: sys::CUfunction,
@@ -610,6 +617,12 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
                 get(ATTENTION, "attention_q_dj4")?,
                 get(ATTENTION, "attention_q_dj8")?,
             ],
+            flash_attention: [
+                get(FLASH, "flash_attention_hd16")?,
+                get(FLASH, "flash_attention_hd32")?,
+                get(FLASH, "flash_attention_hd64")?,
+                get(FLASH, "flash_attention_hd128")?,
+            ],
             kv_store: get(KV, "kv_store")?,
             kv_move: get(KV, "kv_move")?,
             h_dequant: get(KV, "h_dequant")?,
@@ -649,6 +662,7 @@ mod tests {
         assert_eq!(PROGRAMS[ATTENTION].0, "attention.cu");
         assert_eq!(PROGRAMS[SAMPLE].0, "sample.cu");
         assert_eq!(PROGRAMS[KV].0, "kv.cu");
+        assert_eq!(PROGRAMS[FLASH].0, "flash.cu");
     }
 
     #[test]

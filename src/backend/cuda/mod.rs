@@ -25,6 +25,7 @@
 mod attention;
 mod blas;
 mod driver;
+mod flash;
 pub mod fp16_body;
 mod gpu;
 mod graph;

@@ -1,0 +1,56 @@
+//! Multi-row attention over f16 K and V on the tensor cores (cuda/flash.cu): every step of more
+//! than one row in the fp16 KV mode, whatever its length, so that chunked prefill sums each row
+//! exactly as single shot does. Decode rows keep the fused kernel of src/backend/cuda/attention.rs.
+
+use super::attention::{CudaKv, F16Entries};
+use super::driver::{Arg, DevBuf};
+use super::step::CudaStep;
+use super::{kernels, CudaBackend};
+use crate::kv::{KvCache, KvMode};
+
+/// Query rows per block (cuda/flash.cu `FA_BQ`).
+const BLOCK_ROWS: usize = 64;
+/// Threads per block (cuda/flash.cu `FA_THREADS`).
+const THREADS: u32 = 128;
+
+impl CudaBackend {
+    /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel; false (and
+    /// nothing launched) when the shape is not one it takes: an uninstantiated head dimension,
+    /// or cache rows not 16-byte aligned.
+    pub(super) fn flash_attend(
+        &self,
+        qkv: &DevBuf,
+        step: &CudaStep,
+        rows: usize,
+        kv: &KvCache<CudaKv>,
+        entries: &F16Entries,
+        out: &mut DevBuf,
+    ) -> bool {
+        let heads = kv.layout.heads;
+        let hd = heads.head_dim;
+        let Some(variant) = kernels::FLASH_HD.iter().position(|&d| d == hd) else {
+            return false;
+        };
+        let slot_offset = entries.slot * entries.slot_stride;
+        let aligned = (entries.k | entries.v | (2 * slot_offset) as u64).is_multiple_of(16);
+        if rows < 2 || kv.layout.mode != KvMode::Fp16 || !aligned {
+            return false;
+        }
+        let args = [
+            Arg::P(qkv.ptr),
+            Arg::P(step.buf.ptr),
+            Arg::usize(rows),
+            Arg::usize(heads.n_heads),
+            Arg::usize(heads.n_kv_heads),
+            Arg::F(1.0 / (hd as f32).sqrt()),
+            Arg::P(entries.k),
+            Arg::P(entries.v),
+            Arg::L(slot_offset as i64),
+            Arg::P(out.ptr),
+        ];
+        let grid = (rows.div_ceil(BLOCK_ROWS) as u32, heads.n_heads as u32, 1);
+        let f = self.gpu.kernels.flash_attention[variant];
+        self.run("flash_attention", f, grid, THREADS, 0, &args);
+        true
+    }
+}
