@@ -6,6 +6,7 @@ use std::sync::atomic::AtomicUsize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::ctx_tier::CtxTier;
 use crate::kv::KvLayout;
 use crate::model::config::ModelConfig;
 use crate::model::forward::Buffers;
@@ -44,6 +45,8 @@ pub(crate) struct Shared {
     /// Bytes held by live sessions (buffers and KV caches) and handles (prefix caches, resume
     /// handles).
     pub session_bytes: AtomicUsize,
+    /// The CTX-TIER policy of `TINYLOOP_CTX_TIER*` at open (generation calls without one).
+    pub env_ctx_tier: Option<CtxTier>,
 }
 
 impl Shared {
@@ -51,6 +54,14 @@ impl Shared {
         match &self.engine {
             Engine::Cpu(l) => &l.weights.config,
             Engine::Cuda(l) => &l.weights.config,
+        }
+    }
+
+    /// Device bytes of the weights now.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.engine {
+            Engine::Cpu(l) => l.weights.live_bytes(),
+            Engine::Cuda(l) => l.weights.live_bytes(),
         }
     }
 }

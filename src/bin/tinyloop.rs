@@ -16,8 +16,8 @@ use serde_json::json;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
-    Device, Error, GenerateParams, GenerateStats, KvMode, Model, ModelOptions, Result,
-    SamplingParams, Speculation,
+    CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats, KvMode, Model,
+    ModelOptions, Result, SamplingParams, Speculation,
 };
 
 #[derive(Parser)]
@@ -115,6 +115,42 @@ struct GenerateArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
+}
+
+/// CTX-TIER: the loop body runs at INT2 once the context is long (docs/ABI.md "CTX-TIER").
+#[derive(Args, Clone)]
+struct CtxTierArgs {
+    /// Re-pack the loop body to INT2 when the sequence reaches --ctx-tier-long-t tokens, back to
+    /// INT4 below --ctx-tier-short-t (defaults: TINYLOOP_CTX_TIER_* or 512 / 2048).
+    #[arg(long)]
+    ctx_tier: bool,
+    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    ctx_tier_short_t: Option<usize>,
+    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    ctx_tier_long_t: Option<usize>,
+    /// Bits of the loop body at LONG (only 2).
+    #[arg(long, value_name = "BITS", requires = "ctx_tier")]
+    ctx_tier_long_bits: Option<u32>,
+}
+
+impl CtxTierArgs {
+    /// The policy the flags ask for, on top of the environment's (`None` without --ctx-tier).
+    fn policy(&self) -> Result<Option<CtxTier>> {
+        if !self.ctx_tier {
+            return Ok(None);
+        }
+        let base = CtxTier::from_env()?.unwrap_or_default();
+        let policy = CtxTier {
+            short_t: self.ctx_tier_short_t.unwrap_or(base.short_t),
+            long_t: self.ctx_tier_long_t.unwrap_or(base.long_t),
+            long_bits: self.ctx_tier_long_bits.unwrap_or(base.long_bits),
+            ..base
+        };
+        policy.validate()?;
+        Ok(Some(policy))
+    }
 }
 
 /// Self-speculative decoding: draft at fewer loop iterations, verify at `--loops`.
@@ -211,6 +247,8 @@ struct ScoreArgs {
     /// [0, 128), [128, 256) and, for longer windows, [256, window).
     #[arg(long, value_name = "EDGES")]
     buckets: Option<BucketEdges>,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
 }
 
 #[derive(Args)]
@@ -237,6 +275,8 @@ struct BenchArgs {
     /// Also time a score call (logits for every prompt position) over the prompt.
     #[arg(long)]
     score: bool,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
 }
 
 #[derive(Parser)]
@@ -647,6 +687,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         loops: args.common.loops,
         sampling: args.sampling.params(),
         stop_tokens: Vec::new(),
+        ctx_tier: args.ctx_tier.policy()?,
     };
     let mut session = model.new_session()?;
     let speculation = args.speculation.speculation();
@@ -722,7 +763,25 @@ fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
         out["acceptance_rate"] = json!(stats.acceptance_rate());
         out["agreement"] = json!(stats.agreement());
     }
+    if let Some(tier) = &stats.ctx_tier {
+        out["ctx_tier"] = ctx_tier_json(tier);
+    }
     out
+}
+
+/// What CTX-TIER observed in a call, as JSON.
+fn ctx_tier_json(t: &CtxTierStats) -> serde_json::Value {
+    json!({
+        "observations": t.observations,
+        "short_steps": t.short_steps,
+        "long_steps": t.long_steps,
+        "transitions": t.transitions,
+        "last_seq_len": t.last_seq_len,
+        "elapsed_ms": t.elapsed_ms,
+        "apply_ms": t.apply_ms,
+        "freed_bytes": t.freed_bytes,
+        "tier": t.tier.to_string(),
+    })
 }
 
 /// `lens` (`trajectory` false) or `trajectory`.
@@ -825,8 +884,14 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     if args.window < 2 {
         return Err(Error::InvalidArgument("--window must be >= 2".into()));
     }
+    let policy = args.ctx_tier.policy()?;
+    let chunk = args.common.prefill_chunk;
+    // Windows run in steps of --prefill-chunk tokens when that is shorter, and under a tier
+    // policy always step by step (the tier is observed before each step).
+    let stepwise = policy.is_some() || (chunk > 0 && chunk < args.window);
     let mut session = model.new_session()?;
     let (mut nll, mut count) = (0f64, 0usize);
+    let (mut short_steps, mut long_steps, mut transitions) = (0, 0, 0);
     let windows = tokens.chunks(args.window);
     let mut buckets = args
         .buckets
@@ -838,7 +903,17 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         if window.len() < 2 {
             continue;
         }
-        let logprobs = session.logprobs(window, args.common.loops)?;
+        let logprobs = if stepwise {
+            let lp = session.logprobs_with(window, args.common.loops, policy.as_ref())?;
+            if let Some(t) = session.last_ctx_tier_stats() {
+                (short_steps, long_steps) =
+                    (short_steps + t.short_steps, long_steps + t.long_steps);
+                transitions += t.transitions;
+            }
+            lp
+        } else {
+            session.logprobs(window, args.common.loops)?
+        };
         nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
         count += logprobs.len();
         if let Some(buckets) = &mut buckets {
@@ -857,6 +932,16 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         let mut report = json!({"nll": mean, "ppl": mean.exp(), "tokens": count, "loops": loops});
         if let Some(buckets) = &buckets {
             report["buckets"] = buckets.to_json();
+        }
+        if let Some(p) = &policy {
+            report["ctx_tier"] = json!({
+                "short_t": p.short_t,
+                "long_t": p.long_t,
+                "long_bits": p.long_bits,
+                "short_steps": short_steps,
+                "long_steps": long_steps,
+                "transitions": transitions,
+            });
         }
         println!("{report}");
     } else {
@@ -932,6 +1017,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         max_tokens: args.gen_len,
         loops: common.loops,
         sampling: args.sampling.params(),
+        ctx_tier: args.ctx_tier.policy()?,
         ..GenerateParams::default()
     };
     let speculation = args.speculation.speculation();
@@ -1027,6 +1113,8 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "memory_mb": model.memory_bytes() as f64 / 1e6,
+        "weight_mb_at_load": model.info().weight_bytes as f64 / 1e6,
+        "weight_mb": model.weight_bytes() as f64 / 1e6,
         "kv_mode": session.kv_mode().to_string(),
         "kv_mb": session.kv_bytes() as f64 / 1e6,
         "max_seq_len": common.max_seq_len,

@@ -406,8 +406,9 @@ unsafe fn last_generate_stats(
         target.run(func, |s: &mut Session| {
             non_null(out, "out")?;
             let stats = tl_generate_stats::new(&s.last_generate_stats());
+            let earlier = [tl_generate_stats::size_before_ctx_tier()];
             // SAFETY: non-NULL; valid for its struct_size bytes by the caller's contract.
-            unsafe { write_versioned(out, stats, &[], "tl_generate_stats") }
+            unsafe { write_versioned(out, stats, &earlier, "tl_generate_stats") }
         })
     })
 }

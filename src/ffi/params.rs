@@ -4,9 +4,10 @@
 use std::ffi::c_char;
 
 use super::bound::tl_prefix_cache;
+use super::ctx_tier::{ctx_tier_arg, tl_ctx_tier_params};
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
 use crate::{
-    Device, GenerateParams, GenerateStats, KvMode, ModelOptions, SamplingParams, Speculation,
+    Device, GenerateParams, GenerateStats, KvMode, ModelOptions, SamplingParams, Speculation, Tier,
     TrajectoryPoint,
 };
 
@@ -77,6 +78,10 @@ pub struct tl_generate_params {
     /// by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
     /// and their session forms; the other generation functions reject a non-NULL value.
     pub prefix_cache: *const tl_prefix_cache,
+    /// CTX-TIER policy of the call (`tl_ctx_tier_params`, only read during the call). NULL
+    /// (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
+    /// no tiers.
+    pub ctx_tier: *const tl_ctx_tier_params,
 }
 
 /// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -139,6 +144,21 @@ pub struct tl_generate_stats {
     /// The share of drafted positions where the draft's argmax equals the verify pass's (0
     /// without drafts).
     pub agreement: f64,
+    /// CTX-TIER (all 0 when the call had no tier policy): steps observed, steps run at each
+    /// tier, transitions, the last observed sequence length.
+    pub ctx_tier_observations: usize,
+    pub ctx_tier_short_steps: usize,
+    pub ctx_tier_long_steps: usize,
+    pub ctx_tier_transitions: usize,
+    pub ctx_tier_last_seq_len: usize,
+    /// Milliseconds from the first observation to the end of the call, and spent making loop
+    /// bodies (re-pack to INT2, upload of INT4 again) at transitions.
+    pub ctx_tier_elapsed_ms: f64,
+    pub ctx_tier_apply_ms: f64,
+    /// Net device bytes the call's transitions freed (negative: allocated).
+    pub ctx_tier_freed_bytes: i64,
+    /// The session's tier at the end of the call: 0 no policy, 1 SHORT, 2 LONG.
+    pub ctx_tier_final: i32,
 }
 
 /// Static architecture of a model, filled by `tl_model_config`.
@@ -203,6 +223,7 @@ fn default_generate_params() -> tl_generate_params {
         stop_tokens: std::ptr::null(),
         n_stop_tokens: 0,
         prefix_cache: std::ptr::null(),
+        ctx_tier: std::ptr::null(),
     }
 }
 
@@ -231,7 +252,7 @@ fn check_size(found: usize, needed: usize, what: &str) -> FfiResult {
 /// # Safety
 /// `params` must be non-NULL and valid for reads of its `struct_size` bytes; `T` must start
 /// with the `usize` `struct_size`.
-unsafe fn read_versioned<T: Copy>(
+pub(crate) unsafe fn read_versioned<T: Copy>(
     params: *const T,
     defaults: T,
     earlier: &[usize],
@@ -365,13 +386,14 @@ pub(crate) unsafe fn generate_params(
         default_generate_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `prefix_cache`.
+        // header ended before `prefix_cache`, version 2 before `ctx_tier`.
         let v1 = std::mem::offset_of!(tl_generate_params, prefix_cache);
+        let v2 = std::mem::offset_of!(tl_generate_params, ctx_tier);
         unsafe {
             read_versioned(
                 params,
                 default_generate_params(),
-                &[v1],
+                &[v1, v2],
                 "tl_generate_params",
             )
         }?
@@ -398,6 +420,8 @@ pub(crate) unsafe fn generate_params(
             seed: p.seed,
         },
         stop_tokens,
+        // SAFETY: the caller's contract covers the policy it points to.
+        ctx_tier: unsafe { ctx_tier_arg(p.ctx_tier) }?,
     };
     Ok((params, p.prefix_cache))
 }
@@ -444,6 +468,7 @@ impl From<&TrajectoryPoint> for tl_trajectory_point {
 
 impl tl_generate_stats {
     pub(crate) fn new(s: &GenerateStats) -> Self {
+        let t = s.ctx_tier.unwrap_or_default();
         tl_generate_stats {
             struct_size: std::mem::size_of::<tl_generate_stats>(),
             tokens: s.tokens,
@@ -453,7 +478,25 @@ impl tl_generate_stats {
             accepted: s.accepted,
             acceptance_rate: s.acceptance_rate(),
             agreement: s.agreement(),
+            ctx_tier_observations: t.observations,
+            ctx_tier_short_steps: t.short_steps,
+            ctx_tier_long_steps: t.long_steps,
+            ctx_tier_transitions: t.transitions,
+            ctx_tier_last_seq_len: t.last_seq_len,
+            ctx_tier_elapsed_ms: t.elapsed_ms,
+            ctx_tier_apply_ms: t.apply_ms,
+            ctx_tier_freed_bytes: t.freed_bytes,
+            ctx_tier_final: match s.ctx_tier.map(|t| t.tier) {
+                None => 0,
+                Some(Tier::Short) => 1,
+                Some(Tier::Long) => 2,
+            },
         }
+    }
+
+    /// The size of this struct before the CTX-TIER fields (still accepted).
+    pub(crate) fn size_before_ctx_tier() -> usize {
+        std::mem::offset_of!(tl_generate_stats, ctx_tier_observations)
     }
 }
 

@@ -223,7 +223,7 @@ impl<B: Backend> ResumeHandle<B> {
     ) -> Result<ResumeHandle<B>> {
         refuse_age(&buf.kv.layout, "a resume handle")?;
         let n = prompt.len();
-        stage(backend, buf, super::whole(prompt), loops)?;
+        stage(backend, w, buf, super::whole(prompt), loops)?;
         let mut hidden = backend.alloc_float(loops * n * w.config.dim)?;
         let pre = Span {
             start: true,
@@ -273,7 +273,7 @@ pub fn resume<B: Backend>(
         start_pos: 0,
         choice: next_choice(&req.sampling, &mut rng),
     };
-    stage(backend, buf, input, req.loops)?;
+    stage(backend, w, buf, input, req.loops)?;
     let kept_span = Span {
         start: true,
         first: 1,

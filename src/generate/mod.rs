@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::backend::{Backend, Choice, StepInput};
+use crate::ctx_tier::CtxTierStats;
 use crate::error::{Error, Result};
 use crate::model::forward::{
     choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode, LOGIT_ROWS,
@@ -43,6 +44,8 @@ pub struct GenerateStats {
     pub accepted: usize,
     /// Speculative calls: drafted positions where the draft's argmax equals the verify pass's.
     pub agreed: usize,
+    /// What CTX-TIER observed, when the call had a tier policy.
+    pub ctx_tier: Option<CtxTierStats>,
 }
 
 impl GenerateStats {
@@ -281,6 +284,41 @@ pub fn score_last<B: Backend>(
     finite(backend.read_float(&buf.logits, 0, w.config.vocab_size)?)
 }
 
+/// `log p(tokens[i + 1] | tokens[..=i])` for `i < n − 1`, running `tokens` in steps of at most
+/// `buf.max_rows` rows (each step attends to the KV of the earlier ones).
+pub fn logprobs_chunked<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    loops: usize,
+    cancel: &AtomicBool,
+) -> Result<Vec<f32>> {
+    let (vocab, n, step) = (w.config.vocab_size, tokens.len(), buf.max_rows);
+    let mut out = Vec::with_capacity(n - 1);
+    for (i, chunk) in tokens.chunks(step).enumerate() {
+        let start_pos = i * step;
+        let input = StepInput {
+            tokens: chunk,
+            start_pos,
+            choice: Choice::Greedy,
+        };
+        forward(backend, w, buf, input, loops, cancel)?;
+        final_norm(backend, w, buf, chunk.len());
+        for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
+            let rows = LOGIT_ROWS.min(chunk.len() - first);
+            logits(backend, w, buf, first, rows);
+            let values = finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?;
+            for (r, row) in values.chunks_exact(vocab).enumerate() {
+                if let Some(&next) = tokens.get(start_pos + first + r + 1) {
+                    out.push(logprob(row, next));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// `tokens` as one greedy step from position 0.
 pub(crate) fn whole(tokens: &[u32]) -> StepInput<'_> {
     StepInput {
@@ -295,16 +333,18 @@ pub fn logprobs_from_logits(logits: &[f32], tokens: &[u32], vocab: usize) -> Vec
     tokens
         .windows(2)
         .enumerate()
-        .map(|(i, pair)| {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = row
-                .iter()
-                .map(|&v| (v as f64 - max).exp())
-                .sum::<f64>()
-                .ln()
-                + max;
-            (row[pair[1] as usize] as f64 - lse) as f32
-        })
+        .map(|(i, pair)| logprob(&logits[i * vocab..(i + 1) * vocab], pair[1]))
         .collect()
+}
+
+/// `log softmax(row)[token]`, in f64.
+fn logprob(row: &[f32], token: u32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    (row[token as usize] as f64 - lse) as f32
 }

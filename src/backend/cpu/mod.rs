@@ -7,8 +7,9 @@ mod linear;
 
 use half::f16;
 
-use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, StepInput};
+use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, StepInput};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crate::generate::sampling;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
@@ -115,6 +116,30 @@ impl Backend for CpuBackend {
 
     fn linear_bytes(&self, w: &CpuLinear) -> usize {
         w.bytes()
+    }
+
+    fn linear_dtype(&self, w: &CpuLinear) -> DType {
+        w.dtype()
+    }
+
+    fn requantize_linear(&self, w: &CpuLinear, dtype: DType) -> Result<CpuLinear> {
+        let q = w.to_quantized().ok_or_else(|| {
+            Error::invalid("only a quantized weight can be re-quantized (this one is f16)")
+        })?;
+        Ok(CpuLinear::from_quantized(q.requantize(dtype)?))
+    }
+
+    fn download_linear(&self, w: &CpuLinear) -> Result<OwnedLinear> {
+        Ok(OwnedLinear {
+            rows: w.rows(),
+            cols: w.cols(),
+            dtype: w.dtype(),
+            group_size: match w {
+                CpuLinear::Quantized { group_size, .. } => *group_size,
+                CpuLinear::Dense { cols, .. } => *cols,
+            },
+            bytes: w.to_bytes(),
+        })
     }
 
     fn kv_bytes(&self, kv: &Vec<u8>) -> usize {

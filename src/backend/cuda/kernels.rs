@@ -28,7 +28,7 @@ mod shipped;
 pub use shipped::ship;
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
-pub(crate) const SOURCES: [(&str, &str); 8] = [
+pub(crate) const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
     ("kv.cuh", include_str!("../../../cuda/kv.cuh")),
     (
@@ -40,11 +40,12 @@ pub(crate) const SOURCES: [(&str, &str); 8] = [
     ("attention.cu", include_str!("../../../cuda/attention.cu")),
     ("sample.cu", include_str!("../../../cuda/sample.cu")),
     ("kv.cu", include_str!("../../../cuda/kv.cu")),
+    ("requantize.cu", include_str!("../../../cuda/requantize.cu")),
 ];
 
 /// The programs NVRTC compiles, in parallel: a source file and its extra options. The GEMV file
 /// is split by bit width because it dominates the compile time.
-const PROGRAMS: [(&str, &str); 8] = [
+const PROGRAMS: [(&str, &str); 9] = [
     ("elementwise.cu", ""),
     ("gemv.cu", "-DGEMV_BITS=16"),
     ("gemv.cu", "-DGEMV_BITS=4"),
@@ -53,6 +54,7 @@ const PROGRAMS: [(&str, &str); 8] = [
     ("attention.cu", ""),
     ("sample.cu", ""),
     ("kv.cu", ""),
+    ("requantize.cu", ""),
 ];
 
 // Indices into PROGRAMS of the modules that hold each kernel family.
@@ -63,6 +65,7 @@ const GEMM: usize = 4;
 const ATTENTION: usize = 5;
 const SAMPLE: usize = 6;
 const KV: usize = 7;
+const REQUANTIZE: usize = 8;
 
 /// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
 const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
@@ -105,6 +108,7 @@ pub(crate) struct Kernels {
     pub kv_move: sys::CUfunction,
     pub h_dequant: sys::CUfunction,
     pub h_finish: sys::CUfunction,
+    pub requantize_group: sys::CUfunction,
 }
 
 // SAFETY: CUmodules and CUfunctions are handles into a context that lives for the whole process
@@ -614,6 +618,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             kv_move: get(KV, "kv_move")?,
             h_dequant: get(KV, "h_dequant")?,
             h_finish: get(KV, "h_finish")?,
+            requantize_group: get(REQUANTIZE, "requantize_group")?,
         })
     })();
     if loaded.is_err() {
@@ -649,6 +654,7 @@ mod tests {
         assert_eq!(PROGRAMS[ATTENTION].0, "attention.cu");
         assert_eq!(PROGRAMS[SAMPLE].0, "sample.cu");
         assert_eq!(PROGRAMS[KV].0, "kv.cu");
+        assert_eq!(PROGRAMS[REQUANTIZE].0, "requantize.cu");
     }
 
     #[test]
