@@ -1388,9 +1388,9 @@ fn cuda_fp16_body_chunked_prefill_matches_single_shot() {
     let config = file.config.clone();
     let mut engine = gpu();
     let max_seq = 600;
+    engine.enable_fp16_body().unwrap();
     let weights = Weights::load(&engine, &file, max_seq).unwrap();
     engine.finish_load(&weights).unwrap();
-    engine.build_fp16_body(&weights, &file).unwrap();
     let session = engine.session(&config).unwrap();
     let prompt = prompt(520, config.vocab_size, 78);
     for mode in [KvMode::Fp16, KvMode::Fp16H] {
