@@ -25,6 +25,7 @@ mod handle;
 pub mod kv;
 pub mod model;
 mod session;
+pub mod telemetry;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -51,6 +52,7 @@ pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
 pub use model::config::{HeadKind, ModelConfig, NormKind};
 pub use session::{CancelHandle, Session};
+pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,6 +95,9 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation ends when one of these is produced; it is not returned.
     pub stop_tokens: Vec<u32>,
+    /// BETA-MON this call with these thresholds (summary in `GenerateStats::beta_mon`); `None`
+    /// monitors it only when `TINYLOOP_BETA_MONITOR=1`.
+    pub beta_monitor: Option<BetaMonitor>,
 }
 
 impl Default for GenerateParams {
@@ -102,6 +107,7 @@ impl Default for GenerateParams {
             loops: None,
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
+            beta_monitor: None,
         }
     }
 }
@@ -165,6 +171,7 @@ impl Model {
             None => KvMode::from_env()?,
         };
         let kv_layout = KvLayout::new(&file.config, kv_mode, options.max_seq_len)?;
+        let beta_env = BetaMonEnv::from_env()?;
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
@@ -225,6 +232,7 @@ impl Model {
                 engine,
                 options: options.clone(),
                 kv_layout,
+                beta_env,
                 info,
                 session_bytes: AtomicUsize::new(0),
             }),

@@ -6,8 +6,8 @@ use std::ffi::c_char;
 use super::bound::tl_prefix_cache;
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
 use crate::{
-    Device, GenerateParams, GenerateStats, KvMode, ModelOptions, SamplingParams, Speculation,
-    TrajectoryPoint,
+    BetaMonSummary, BetaMonitor, Device, GenerateParams, GenerateStats, KvMode, ModelOptions,
+    SamplingParams, Speculation, TrajectoryPoint,
 };
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
@@ -72,6 +72,19 @@ pub struct tl_generate_params {
     /// by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
     /// and their session forms; the other generation functions reject a non-NULL value.
     pub prefix_cache: *const tl_prefix_cache,
+    /// BETA-MON this call with the three thresholds below (docs/ABI.md "BETA-MON"): its summary
+    /// is then in `tl_generate_stats`. false (default): the call is monitored only when the
+    /// environment says so (TINYLOOP_BETA_MONITOR=1, with the TINYLOOP_BETA_MON_* thresholds).
+    pub beta_monitor: bool,
+    /// With `beta_monitor`: entropies below this many bits count in `beta_mon_low_rate`.
+    /// Finite, >= 0 and <= `beta_mon_high_entropy_bits`. Default 0.5.
+    pub beta_mon_low_entropy_bits: f64,
+    /// With `beta_monitor`: entropies above this many bits count in `beta_mon_high_rate`.
+    /// Finite and >= 0. Default 6.0.
+    pub beta_mon_high_entropy_bits: f64,
+    /// With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
+    /// [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
+    pub beta_mon_agreement_floor: f64,
 }
 
 /// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -134,6 +147,27 @@ pub struct tl_generate_stats {
     /// The share of drafted positions where the draft's argmax equals the verify pass's (0
     /// without drafts).
     pub agreement: f64,
+    /// The call was BETA-MONitored (docs/ABI.md "BETA-MON"); the `beta_mon_` fields are 0
+    /// otherwise.
+    pub beta_mon: bool,
+    /// Returned tokens, each with the entropy of the distribution it was chosen from.
+    pub beta_mon_n_tokens: usize,
+    /// Mean, population standard deviation, min and max of those entropies, in bits (all 0
+    /// when no token was returned).
+    pub beta_mon_entropy_mean_bits: f64,
+    pub beta_mon_entropy_std_bits: f64,
+    pub beta_mon_entropy_min_bits: f64,
+    pub beta_mon_entropy_max_bits: f64,
+    /// Share of the tokens below `beta_mon_low_entropy_bits`, and above
+    /// `beta_mon_high_entropy_bits`.
+    pub beta_mon_low_rate: f64,
+    pub beta_mon_high_rate: f64,
+    /// The thresholds the call was monitored with.
+    pub beta_mon_low_entropy_bits: f64,
+    pub beta_mon_high_entropy_bits: f64,
+    pub beta_mon_agreement_floor: f64,
+    /// Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
+    pub beta_mon_agreement_below_floor: bool,
 }
 
 /// Static architecture of a model, filled by `tl_model_config`.
@@ -186,6 +220,7 @@ fn default_model_params() -> tl_model_params {
 
 fn default_generate_params() -> tl_generate_params {
     let d = GenerateParams::default();
+    let beta = BetaMonitor::default();
     tl_generate_params {
         struct_size: std::mem::size_of::<tl_generate_params>(),
         max_tokens: saturate(d.max_tokens),
@@ -197,6 +232,10 @@ fn default_generate_params() -> tl_generate_params {
         stop_tokens: std::ptr::null(),
         n_stop_tokens: 0,
         prefix_cache: std::ptr::null(),
+        beta_monitor: false,
+        beta_mon_low_entropy_bits: beta.low_entropy_bits,
+        beta_mon_high_entropy_bits: beta.high_entropy_bits,
+        beta_mon_agreement_floor: beta.agreement_floor,
     }
 }
 
@@ -347,13 +386,14 @@ pub(crate) unsafe fn generate_params(
         default_generate_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `prefix_cache`.
+        // header ended before `prefix_cache`, version 2 before `beta_monitor`.
         let v1 = std::mem::offset_of!(tl_generate_params, prefix_cache);
+        let v2 = std::mem::offset_of!(tl_generate_params, beta_monitor);
         unsafe {
             read_versioned(
                 params,
                 default_generate_params(),
-                &[v1],
+                &[v1, v2],
                 "tl_generate_params",
             )
         }?
@@ -380,6 +420,12 @@ pub(crate) unsafe fn generate_params(
             seed: p.seed,
         },
         stop_tokens,
+        // Validated by the call, which names the field.
+        beta_monitor: p.beta_monitor.then_some(BetaMonitor {
+            low_entropy_bits: p.beta_mon_low_entropy_bits,
+            high_entropy_bits: p.beta_mon_high_entropy_bits,
+            agreement_floor: p.beta_mon_agreement_floor,
+        }),
     };
     Ok((params, p.prefix_cache))
 }
@@ -435,7 +481,57 @@ impl tl_generate_stats {
             accepted: s.accepted,
             acceptance_rate: s.acceptance_rate(),
             agreement: s.agreement(),
+            ..Self::beta_mon(s.beta_mon.as_ref())
         }
+    }
+
+    /// The `beta_mon` fields (the others zero).
+    fn beta_mon(summary: Option<&BetaMonSummary>) -> Self {
+        let zero = tl_generate_stats {
+            struct_size: 0,
+            tokens: 0,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            drafted: 0,
+            accepted: 0,
+            acceptance_rate: 0.0,
+            agreement: 0.0,
+            beta_mon: false,
+            beta_mon_n_tokens: 0,
+            beta_mon_entropy_mean_bits: 0.0,
+            beta_mon_entropy_std_bits: 0.0,
+            beta_mon_entropy_min_bits: 0.0,
+            beta_mon_entropy_max_bits: 0.0,
+            beta_mon_low_rate: 0.0,
+            beta_mon_high_rate: 0.0,
+            beta_mon_low_entropy_bits: 0.0,
+            beta_mon_high_entropy_bits: 0.0,
+            beta_mon_agreement_floor: 0.0,
+            beta_mon_agreement_below_floor: false,
+        };
+        let Some(b) = summary else {
+            return zero;
+        };
+        tl_generate_stats {
+            beta_mon: true,
+            beta_mon_n_tokens: b.n_tokens,
+            beta_mon_entropy_mean_bits: b.entropy_mean_bits,
+            beta_mon_entropy_std_bits: b.entropy_std_bits,
+            beta_mon_entropy_min_bits: b.entropy_min_bits,
+            beta_mon_entropy_max_bits: b.entropy_max_bits,
+            beta_mon_low_rate: b.low_rate,
+            beta_mon_high_rate: b.high_rate,
+            beta_mon_low_entropy_bits: b.thresholds.low_entropy_bits,
+            beta_mon_high_entropy_bits: b.thresholds.high_entropy_bits,
+            beta_mon_agreement_floor: b.thresholds.agreement_floor,
+            beta_mon_agreement_below_floor: b.agreement_below_floor(),
+            ..zero
+        }
+    }
+
+    /// Sizes of earlier versions of this struct: version 1 ended before `beta_mon`.
+    pub(crate) fn earlier_sizes() -> [usize; 1] {
+        [std::mem::offset_of!(tl_generate_stats, beta_mon)]
     }
 }
 
