@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -183,6 +184,22 @@ struct ModelOptions {
     }
 };
 
+/// The thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON"); the default constructor
+/// takes the library's defaults (0.5 bits, 6 bits, 0.95).
+struct BetaMonitor {
+    double low_entropy_bits;   ///< entropies below count in beta_mon_low_rate
+    double high_entropy_bits;  ///< entropies above count in beta_mon_high_rate
+    double agreement_floor;    ///< speculative calls: an agreement below this is flagged
+
+    BetaMonitor() {
+        tl_generate_params p;
+        detail::check(tl_generate_default_params(&p));
+        low_entropy_bits = p.beta_mon_low_entropy_bits;
+        high_entropy_bits = p.beta_mon_high_entropy_bits;
+        agreement_floor = p.beta_mon_agreement_floor;
+    }
+};
+
 /// Options of one generation call; the default constructor takes the library's defaults
 /// (greedy, 128 tokens, the model's default loops).
 struct GenerateOptions {
@@ -196,6 +213,9 @@ struct GenerateOptions {
     /// Generate after this cache's prefix (built at the same loops): the same tokens as
     /// generating from prefix + prompt. generate and generate_stream only; not owned.
     const PrefixCache* prefix_cache = nullptr;
+    /// BETA-MON this call with these thresholds: its summary is then in last_generate_stats()
+    /// (`beta_mon` true). Empty: monitored only when TINYLOOP_BETA_MONITOR=1.
+    std::optional<BetaMonitor> beta_monitor;
 
     GenerateOptions() {
         tl_generate_params p;
@@ -222,6 +242,12 @@ struct GenerateOptions {
         if (prefix_cache != nullptr && prefix_cache->get() == nullptr)
             throw Error(TL_ERR_INVALID_ARGUMENT, "GenerateOptions::prefix_cache was moved from");
         p.prefix_cache = prefix_cache != nullptr ? prefix_cache->get() : nullptr;
+        if (beta_monitor) {
+            p.beta_monitor = true;
+            p.beta_mon_low_entropy_bits = beta_monitor->low_entropy_bits;
+            p.beta_mon_high_entropy_bits = beta_monitor->high_entropy_bits;
+            p.beta_mon_agreement_floor = beta_monitor->agreement_floor;
+        }
         return p;
     }
 };

@@ -108,6 +108,24 @@ type GenerateStats struct {
 	Accepted       int     // speculative calls: drafted tokens accepted
 	AcceptanceRate float64 // Accepted / Drafted (0 without drafts)
 	Agreement      float64 // share of drafted positions where draft and verify argmax agree
+
+	// BetaMon is the BETA-MON summary of a monitored call; nil otherwise.
+	BetaMon *BetaMonSummary
+}
+
+// BetaMonSummary is BETA-MON's account of one call: the entropy in bits of the distribution
+// each returned token was chosen from (all 0 when no token was returned).
+type BetaMonSummary struct {
+	NTokens             int
+	EntropyMeanBits     float64
+	EntropyStdBits      float64 // population standard deviation
+	EntropyMinBits      float64
+	EntropyMaxBits      float64
+	LowRate             float64 // share below Thresholds.LowEntropyBits
+	HighRate            float64 // share above Thresholds.HighEntropyBits
+	Thresholds          BetaMonitor
+	AgreementRate       float64 // speculative calls (Drafted > 0): the draft/verify agreement
+	AgreementBelowFloor bool    // speculative calls: AgreementRate < Thresholds.AgreementFloor
 }
 
 // bound is a prefix cache or resume handle: its handle value, freed once by Close.
@@ -424,9 +442,28 @@ func (r *runner) LastGenerateStats() (GenerateStats, error) {
 	if err := call(method, r.h.what, func() C.enum_tl_status { return C.tinyloop_last_generate_stats(r.model, r.session, &s) }); err != nil {
 		return GenerateStats{}, err
 	}
-	return GenerateStats{
+	stats := GenerateStats{
 		Tokens: int(s.tokens), PrefillMS: float64(s.prefill_ms), DecodeMS: float64(s.decode_ms),
 		Drafted: int(s.drafted), Accepted: int(s.accepted),
 		AcceptanceRate: float64(s.acceptance_rate), Agreement: float64(s.agreement),
-	}, nil
+	}
+	if s.beta_mon {
+		stats.BetaMon = &BetaMonSummary{
+			NTokens:         int(s.beta_mon_n_tokens),
+			EntropyMeanBits: float64(s.beta_mon_entropy_mean_bits),
+			EntropyStdBits:  float64(s.beta_mon_entropy_std_bits),
+			EntropyMinBits:  float64(s.beta_mon_entropy_min_bits),
+			EntropyMaxBits:  float64(s.beta_mon_entropy_max_bits),
+			LowRate:         float64(s.beta_mon_low_rate),
+			HighRate:        float64(s.beta_mon_high_rate),
+			Thresholds: BetaMonitor{
+				LowEntropyBits:  float64(s.beta_mon_low_entropy_bits),
+				HighEntropyBits: float64(s.beta_mon_high_entropy_bits),
+				AgreementFloor:  float64(s.beta_mon_agreement_floor),
+			},
+			AgreementRate:       float64(s.agreement),
+			AgreementBelowFloor: bool(s.beta_mon_agreement_below_floor),
+		}
+	}
+	return stats, nil
 }

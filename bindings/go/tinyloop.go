@@ -110,6 +110,28 @@ type GenerateOptions struct {
 	// tokens as generating from its prefix followed by the prompt. Generate and GenerateStream
 	// only.
 	PrefixCache *PrefixCache
+	// BetaMonitor, when set, BETA-MONitors the call with these thresholds (start from
+	// DefaultBetaMonitor()); the summary is then GenerateStats.BetaMon. nil: monitored only when
+	// the environment says so (TINYLOOP_BETA_MONITOR=1).
+	BetaMonitor *BetaMonitor
+}
+
+// BetaMonitor holds the thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON").
+type BetaMonitor struct {
+	LowEntropyBits  float64 // entropies below this count in LowRate (finite, >= 0)
+	HighEntropyBits float64 // entropies above this count in HighRate (finite, >= LowEntropyBits)
+	AgreementFloor  float64 // speculative calls: an agreement below this is flagged ([0, 1])
+}
+
+// DefaultBetaMonitor returns the library's default thresholds (0.5 bits, 6 bits, 0.95).
+func DefaultBetaMonitor() BetaMonitor {
+	var p C.tl_generate_params
+	C.tl_generate_default_params(&p)
+	return BetaMonitor{
+		LowEntropyBits:  float64(p.beta_mon_low_entropy_bits),
+		HighEntropyBits: float64(p.beta_mon_high_entropy_bits),
+		AgreementFloor:  float64(p.beta_mon_agreement_floor),
+	}
 }
 
 // DefaultGenerateOptions returns the library's defaults (tl_generate_default_params).
@@ -222,6 +244,12 @@ func cParams(o *GenerateOptions, method string) (C.tl_generate_params, *C.int32_
 			return p, nil, err
 		}
 		p.prefix_cache = (*C.tl_prefix_cache)(cache)
+	}
+	if b := o.BetaMonitor; b != nil {
+		p.beta_monitor = true
+		p.beta_mon_low_entropy_bits = C.double(b.LowEntropyBits)
+		p.beta_mon_high_entropy_bits = C.double(b.HighEntropyBits)
+		p.beta_mon_agreement_floor = C.double(b.AgreementFloor)
 	}
 	// The params struct lives in Go memory, so the stop array must be C memory (cgo rules).
 	stop := cTokens(o.Stop)

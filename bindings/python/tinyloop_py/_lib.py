@@ -68,6 +68,10 @@ class GenerateParams(ctypes.Structure):
         ("stop_tokens", ctypes.POINTER(ctypes.c_int32)),
         ("n_stop_tokens", ctypes.c_size_t),
         ("prefix_cache", ctypes.c_void_p),
+        ("beta_monitor", ctypes.c_bool),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
     ]
 
 
@@ -100,6 +104,18 @@ class GenerateStats(ctypes.Structure):
         ("accepted", ctypes.c_size_t),
         ("acceptance_rate", ctypes.c_double),
         ("agreement", ctypes.c_double),
+        ("beta_mon", ctypes.c_bool),
+        ("beta_mon_n_tokens", ctypes.c_size_t),
+        ("beta_mon_entropy_mean_bits", ctypes.c_double),
+        ("beta_mon_entropy_std_bits", ctypes.c_double),
+        ("beta_mon_entropy_min_bits", ctypes.c_double),
+        ("beta_mon_entropy_max_bits", ctypes.c_double),
+        ("beta_mon_low_rate", ctypes.c_double),
+        ("beta_mon_high_rate", ctypes.c_double),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
+        ("beta_mon_agreement_below_floor", ctypes.c_bool),
     ]
 
 
