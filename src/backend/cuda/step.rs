@@ -248,3 +248,27 @@ fn sampling_words(choice: &Choice) -> [i32; 5] {
         ],
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The step layout here is the one the kernels read (cuda/common.cuh `STEP_*`).
+    #[test]
+    fn step_layout_matches_the_kernels() {
+        let common = include_str!("../../../cuda/common.cuh");
+        let define = |name: &str| -> usize {
+            let prefix = format!("#define {name} ");
+            let line = common.lines().find_map(|l| l.strip_prefix(&prefix));
+            let value = line.and_then(|rest| rest.split_whitespace().next());
+            value
+                .unwrap_or_else(|| panic!("{name} is not defined"))
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(define("STEP_RESULT"), STEP_RESULT);
+        assert_eq!(define("STEP_ENTROPY"), STEP_ENTROPY);
+        assert_eq!(define("STEP_TOP_K"), STEP_ENTROPY + LOGIT_ROWS);
+        assert_eq!(define("STEP_TOKENS"), STEP_HEADER);
+    }
+}
