@@ -160,6 +160,19 @@ typedef struct tl_generate_params {
     // (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
     // no tiers.
     const struct tl_ctx_tier_params *ctx_tier;
+    // BETA-MON this call with the three thresholds below (docs/ABI.md "BETA-MON"): its summary
+    // is then in `tl_generate_stats`. false (default): the call is monitored only when the
+    // environment says so (TINYLOOP_BETA_MONITOR=1, with the TINYLOOP_BETA_MON_* thresholds).
+    bool beta_monitor;
+    // With `beta_monitor`: entropies below this many bits count in `beta_mon_low_rate`.
+    // Finite, >= 0 and <= `beta_mon_high_entropy_bits`. Default 0.5.
+    double beta_mon_low_entropy_bits;
+    // With `beta_monitor`: entropies above this many bits count in `beta_mon_high_rate`.
+    // Finite and >= 0. Default 6.0.
+    double beta_mon_high_entropy_bits;
+    // With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
+    // [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
+    double beta_mon_agreement_floor;
 } tl_generate_params;
 
 // How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -264,6 +277,27 @@ typedef struct tl_generate_stats {
     int64_t ctx_tier_freed_bytes;
     // The session's tier at the end of the call: 0 no policy, 1 SHORT, 2 LONG.
     int32_t ctx_tier_final;
+    // The call was BETA-MONitored (docs/ABI.md "BETA-MON"); the `beta_mon_` fields are 0
+    // otherwise.
+    bool beta_mon;
+    // Returned tokens, each with the entropy of the distribution it was chosen from.
+    size_t beta_mon_n_tokens;
+    // Mean, population standard deviation, min and max of those entropies, in bits (all 0
+    // when no token was returned).
+    double beta_mon_entropy_mean_bits;
+    double beta_mon_entropy_std_bits;
+    double beta_mon_entropy_min_bits;
+    double beta_mon_entropy_max_bits;
+    // Share of the tokens below `beta_mon_low_entropy_bits`, and above
+    // `beta_mon_high_entropy_bits`.
+    double beta_mon_low_rate;
+    double beta_mon_high_rate;
+    // The thresholds the call was monitored with.
+    double beta_mon_low_entropy_bits;
+    double beta_mon_high_entropy_bits;
+    double beta_mon_agreement_floor;
+    // Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
+    bool beta_mon_agreement_below_floor;
 } tl_generate_stats;
 
 #ifdef __cplusplus
@@ -732,7 +766,8 @@ enum tl_status tl_session_resume_generate(const struct tl_session *session, cons
 // What the last successful generation call on the model's default session did (any of the
 // generate, speculative and resume functions): tokens returned, prefill and decode times, and
 // for speculative calls the drafted and accepted tokens, the acceptance rate and the draft /
-// verify argmax agreement. All zero before the first one. The caller sets
+// verify argmax agreement; for monitored calls the BETA-MON summary (`beta_mon` true). All zero
+// before the first one. The caller sets
 // `out->struct_size = sizeof(tl_generate_stats)` first.
 //
 // Ownership: the caller owns `*out`. Threads: any thread; `TL_ERR_BUSY` while a call is

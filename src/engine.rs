@@ -11,6 +11,7 @@ use crate::kv::KvLayout;
 use crate::model::config::ModelConfig;
 use crate::model::forward::Buffers;
 use crate::model::weights::Weights;
+use crate::telemetry::beta_monitor::BetaMonEnv;
 use crate::{ModelInfo, ModelOptions};
 
 pub(crate) struct Loaded<B: Backend> {
@@ -41,6 +42,8 @@ pub(crate) struct Shared {
     pub options: ModelOptions,
     /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
     pub kv_layout: KvLayout,
+    /// The BETA-MON environment variables, read at open.
+    pub beta_env: BetaMonEnv,
     pub info: ModelInfo,
     /// Bytes held by live sessions (buffers and KV caches) and handles (prefix caches, resume
     /// handles).

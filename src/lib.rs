@@ -26,6 +26,7 @@ mod handle;
 pub mod kv;
 pub mod model;
 mod session;
+pub mod telemetry;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,6 +55,7 @@ pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
 pub use model::config::{HeadKind, ModelConfig, NormKind};
 pub use session::{CancelHandle, Session};
+pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,6 +107,9 @@ pub struct GenerateParams {
     /// CTX-TIER policy of the call; `None` uses the environment's (`TINYLOOP_CTX_TIER*`, read
     /// when the model was opened), or runs without tiers when that is off.
     pub ctx_tier: Option<CtxTier>,
+    /// BETA-MON this call with these thresholds (summary in `GenerateStats::beta_mon`); `None`
+    /// monitors it only when `TINYLOOP_BETA_MONITOR=1`.
+    pub beta_monitor: Option<BetaMonitor>,
 }
 
 impl Default for GenerateParams {
@@ -115,6 +120,7 @@ impl Default for GenerateParams {
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
             ctx_tier: None,
+            beta_monitor: None,
         }
     }
 }
@@ -179,6 +185,7 @@ impl Model {
         };
         let kv_layout = KvLayout::new(&file.config, kv_mode, options.max_seq_len)?;
         let env_ctx_tier = CtxTier::from_env()?;
+        let beta_env = BetaMonEnv::from_env()?;
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
@@ -253,6 +260,7 @@ impl Model {
                 engine,
                 options: options.clone(),
                 kv_layout,
+                beta_env,
                 info,
                 session_bytes: AtomicUsize::new(0),
                 env_ctx_tier,

@@ -15,6 +15,7 @@ use crate::generate::speculative::{self, Speculation};
 use crate::generate::{self, handles, GenerateRequest, GenerateStats};
 use crate::handle::{PrefixCache, ResumeHandle};
 use crate::handle::{PrefixInner, ResumeInner};
+use crate::telemetry::beta_monitor;
 use crate::{GenerateParams, KvMode, Model, ModelConfig};
 
 /// Cancels the call in flight on one session; `Send + Sync`, usable from any thread.
@@ -350,6 +351,9 @@ impl Session {
         self.account();
         let (tokens, mut stats) = result?;
         stats.ctx_tier = self.tier_stats;
+        if let Some(summary) = &stats.beta_mon {
+            beta_monitor::report(summary, &self.shared.beta_env);
+        }
         self.stats = stats;
         Ok(tokens)
     }
@@ -438,6 +442,7 @@ impl Session {
             loops,
             sampling: params.sampling,
             stop_tokens: params.stop_tokens.clone(),
+            monitor: beta_monitor::resolve(params.beta_monitor, &self.shared.beta_env)?,
         })
     }
 

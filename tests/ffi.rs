@@ -215,7 +215,7 @@ fn generate_and_score_equal_the_rust_api() {
                         seed: 99,
                     },
                     stop_tokens: vec![stop[0] as u32],
-                    ctx_tier: None,
+                    ..GenerateParams::default()
                 },
             )
             .unwrap();

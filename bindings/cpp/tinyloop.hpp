@@ -220,6 +220,22 @@ struct CtxTier {
     }
 };
 
+/// The thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON"); the default constructor
+/// takes the library's defaults (0.5 bits, 6 bits, 0.95).
+struct BetaMonitor {
+    double low_entropy_bits;   ///< entropies below count in beta_mon_low_rate
+    double high_entropy_bits;  ///< entropies above count in beta_mon_high_rate
+    double agreement_floor;    ///< speculative calls: an agreement below this is flagged
+
+    BetaMonitor() {
+        tl_generate_params p;
+        detail::check(tl_generate_default_params(&p));
+        low_entropy_bits = p.beta_mon_low_entropy_bits;
+        high_entropy_bits = p.beta_mon_high_entropy_bits;
+        agreement_floor = p.beta_mon_agreement_floor;
+    }
+};
+
 /// Options of one generation call; the default constructor takes the library's defaults
 /// (greedy, 128 tokens, the model's default loops).
 struct GenerateOptions {
@@ -236,6 +252,9 @@ struct GenerateOptions {
     /// The call's CTX-TIER policy; empty: the TINYLOOP_CTX_TIER* environment's policy when the
     /// model was opened, or no tiers.
     std::optional<CtxTier> ctx_tier;
+    /// BETA-MON this call with these thresholds: its summary is then in last_generate_stats()
+    /// (`beta_mon` true). Empty: monitored only when TINYLOOP_BETA_MONITOR=1.
+    std::optional<BetaMonitor> beta_monitor;
 
     GenerateOptions() {
         tl_generate_params p;
@@ -265,6 +284,12 @@ struct GenerateOptions {
         if (ctx_tier) {
             ctx_tier_c_ = ctx_tier->to_c();
             p.ctx_tier = &ctx_tier_c_;
+        }
+        if (beta_monitor) {
+            p.beta_monitor = true;
+            p.beta_mon_low_entropy_bits = beta_monitor->low_entropy_bits;
+            p.beta_mon_high_entropy_bits = beta_monitor->high_entropy_bits;
+            p.beta_mon_agreement_floor = beta_monitor->agreement_floor;
         }
         return p;
     }

@@ -110,6 +110,9 @@ type GenerateStats struct {
 	Agreement      float64 // share of drafted positions where draft and verify argmax agree
 	// CtxTier is what CTX-TIER observed, or nil when the call had no tier policy.
 	CtxTier *CtxTierStats
+
+	// BetaMon is the BETA-MON summary of a monitored call; nil otherwise.
+	BetaMon *BetaMonSummary
 }
 
 // CtxTierStats is what CTX-TIER observed in one call.
@@ -123,6 +126,21 @@ type CtxTierStats struct {
 	ApplyMS      float64 // spent re-packing or uploading loop bodies at transitions
 	FreedBytes   int64   // net device bytes the transitions freed (negative: allocated)
 	Long         bool    // the session's tier at the end of the call is LONG
+}
+
+// BetaMonSummary is BETA-MON's account of one call: the entropy in bits of the distribution
+// each returned token was chosen from (all 0 when no token was returned).
+type BetaMonSummary struct {
+	NTokens             int
+	EntropyMeanBits     float64
+	EntropyStdBits      float64 // population standard deviation
+	EntropyMinBits      float64
+	EntropyMaxBits      float64
+	LowRate             float64 // share below Thresholds.LowEntropyBits
+	HighRate            float64 // share above Thresholds.HighEntropyBits
+	Thresholds          BetaMonitor
+	AgreementRate       float64 // speculative calls (Drafted > 0): the draft/verify agreement
+	AgreementBelowFloor bool    // speculative calls: AgreementRate < Thresholds.AgreementFloor
 }
 
 // bound is a prefix cache or resume handle: its handle value, freed once by Close.
@@ -451,6 +469,24 @@ func (r *runner) LastGenerateStats() (GenerateStats, error) {
 			LastSeqLen: int(s.ctx_tier_last_seq_len), ElapsedMS: float64(s.ctx_tier_elapsed_ms),
 			ApplyMS: float64(s.ctx_tier_apply_ms), FreedBytes: int64(s.ctx_tier_freed_bytes),
 			Long: s.ctx_tier_final == 2,
+		}
+	}
+	if s.beta_mon {
+		stats.BetaMon = &BetaMonSummary{
+			NTokens:         int(s.beta_mon_n_tokens),
+			EntropyMeanBits: float64(s.beta_mon_entropy_mean_bits),
+			EntropyStdBits:  float64(s.beta_mon_entropy_std_bits),
+			EntropyMinBits:  float64(s.beta_mon_entropy_min_bits),
+			EntropyMaxBits:  float64(s.beta_mon_entropy_max_bits),
+			LowRate:         float64(s.beta_mon_low_rate),
+			HighRate:        float64(s.beta_mon_high_rate),
+			Thresholds: BetaMonitor{
+				LowEntropyBits:  float64(s.beta_mon_low_entropy_bits),
+				HighEntropyBits: float64(s.beta_mon_high_entropy_bits),
+				AgreementFloor:  float64(s.beta_mon_agreement_floor),
+			},
+			AgreementRate:       float64(s.agreement),
+			AgreementBelowFloor: bool(s.beta_mon_agreement_below_floor),
 		}
 	}
 	return stats, nil

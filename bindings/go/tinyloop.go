@@ -118,6 +118,10 @@ type GenerateOptions struct {
 	// CtxTier, when set, is the call's CTX-TIER policy (nil: the TINYLOOP_CTX_TIER*
 	// environment's policy when the model was opened, or no tiers).
 	CtxTier *CtxTier
+	// BetaMonitor, when set, BETA-MONitors the call with these thresholds (start from
+	// DefaultBetaMonitor()); the summary is then GenerateStats.BetaMon. nil: monitored only when
+	// the environment says so (TINYLOOP_BETA_MONITOR=1).
+	BetaMonitor *BetaMonitor
 }
 
 // CtxTier is a CTX-TIER policy: the loop body is re-packed to INT2 once the sequence reaches
@@ -165,6 +169,24 @@ func freeCtxTier(p *C.tl_ctx_tier_params) {
 	if p != nil {
 		C.free(unsafe.Pointer(p.file))
 		C.free(unsafe.Pointer(p))
+	}
+}
+
+// BetaMonitor holds the thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON").
+type BetaMonitor struct {
+	LowEntropyBits  float64 // entropies below this count in LowRate (finite, >= 0)
+	HighEntropyBits float64 // entropies above this count in HighRate (finite, >= LowEntropyBits)
+	AgreementFloor  float64 // speculative calls: an agreement below this is flagged ([0, 1])
+}
+
+// DefaultBetaMonitor returns the library's default thresholds (0.5 bits, 6 bits, 0.95).
+func DefaultBetaMonitor() BetaMonitor {
+	var p C.tl_generate_params
+	C.tl_generate_default_params(&p)
+	return BetaMonitor{
+		LowEntropyBits:  float64(p.beta_mon_low_entropy_bits),
+		HighEntropyBits: float64(p.beta_mon_high_entropy_bits),
+		AgreementFloor:  float64(p.beta_mon_agreement_floor),
 	}
 }
 
@@ -286,6 +308,12 @@ func cParams(o *GenerateOptions, method string) (C.tl_generate_params, func(), e
 			return p, none, err
 		}
 		p.ctx_tier = tier
+	}
+	if b := o.BetaMonitor; b != nil {
+		p.beta_monitor = true
+		p.beta_mon_low_entropy_bits = C.double(b.LowEntropyBits)
+		p.beta_mon_high_entropy_bits = C.double(b.HighEntropyBits)
+		p.beta_mon_agreement_floor = C.double(b.AgreementFloor)
 	}
 	// The params struct lives in Go memory, so the stop array must be C memory (cgo rules).
 	stop := cTokens(o.Stop)

@@ -92,6 +92,14 @@ impl Choice {
     }
 }
 
+/// A token chosen from a row of logits and, when it was measured (BETA-MON), the entropy in bits
+/// of that row's distribution.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Chosen {
+    pub token: u32,
+    pub entropy_bits: Option<f32>,
+}
+
 /// A norm layer as the ops take it.
 #[derive(Clone, Copy, Debug)]
 pub struct NormLayer<'a, V> {
@@ -331,6 +339,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// The tokens of the last [`Backend::argmax_rows`] (waits for the device).
     fn chosen_tokens(&self, step: &Self::Step, rows: usize) -> Result<Vec<u32>>;
+
+    /// The entropy in bits of softmax at temperature 1 of each of the first `rows` rows of `len`
+    /// logits, into the step (at most `LOGIT_ROWS` rows; BETA-MON); read row 0 with
+    /// [`Backend::chosen_measured`], all of them with [`Backend::entropies`].
+    fn entropy_rows(&self, logits: &Self::Float, rows: usize, len: usize, step: &mut Self::Step);
+
+    /// The token of the last [`Backend::choose`] and the entropy of row 0 of the last
+    /// [`Backend::entropy_rows`], read together (waits for the device).
+    fn chosen_measured(&self, step: &Self::Step) -> Result<(u32, f32)>;
+
+    /// The entropies of the last [`Backend::entropy_rows`] (waits for the device).
+    fn entropies(&self, step: &Self::Step, rows: usize) -> Result<Vec<f32>>;
 
     // Decode graphs (model/forward.rs `decode_step`). The defaults capture nothing, so a backend
     // without graphs runs the same ops eagerly.

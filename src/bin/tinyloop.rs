@@ -16,8 +16,8 @@ use serde_json::json;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
-    CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats, KvMode, Model,
-    ModelOptions, Result, SamplingParams, Speculation,
+    BetaMonEnv, BetaMonitor, CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats,
+    KvMode, Model, ModelOptions, Result, SamplingParams, Speculation,
 };
 
 #[derive(Parser)]
@@ -117,6 +117,8 @@ struct GenerateArgs {
     speculation: SpeculationArgs,
     #[command(flatten)]
     ctx_tier: CtxTierArgs,
+    #[command(flatten)]
+    beta_mon: BetaMonArgs,
 }
 
 /// CTX-TIER: the loop body runs at INT2 once the context is long (docs/ABI.md "CTX-TIER").
@@ -150,6 +152,53 @@ impl CtxTierArgs {
         };
         policy.validate()?;
         Ok(Some(policy))
+    }
+}
+
+/// BETA-MON: the entropy of each token's distribution and the draft/verify agreement
+/// (docs/ABI.md "BETA-MON").
+#[derive(Args)]
+struct BetaMonArgs {
+    /// Monitor the call: BETA-MON's summary line on stderr (`generate`), `beta_mon` in the
+    /// JSON stats.
+    #[arg(long)]
+    beta_monitor: bool,
+    /// Entropies below this many bits count as low.
+    #[arg(
+        long,
+        value_name = "BITS",
+        default_value_t = BetaMonitor::default().low_entropy_bits,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_low_entropy_bits: f64,
+    /// Entropies above this many bits count as high.
+    #[arg(
+        long,
+        value_name = "BITS",
+        default_value_t = BetaMonitor::default().high_entropy_bits,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_high_entropy_bits: f64,
+    /// Speculative calls: warn when the draft/verify agreement is below this share.
+    #[arg(
+        long,
+        value_name = "SHARE",
+        default_value_t = BetaMonitor::default().agreement_floor,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_agreement_floor: f64,
+}
+
+impl BetaMonArgs {
+    fn monitor(&self) -> Option<BetaMonitor> {
+        self.beta_monitor.then_some(BetaMonitor {
+            low_entropy_bits: self.beta_mon_low_entropy_bits,
+            high_entropy_bits: self.beta_mon_high_entropy_bits,
+            agreement_floor: self.beta_mon_agreement_floor,
+        })
     }
 }
 
@@ -266,6 +315,8 @@ struct BenchArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    beta_mon: BetaMonArgs,
     /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
     #[arg(long, value_name = "N", conflicts_with = "resume_from")]
     prefix_cache: Option<usize>,
@@ -688,6 +739,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         sampling: args.sampling.params(),
         stop_tokens: Vec::new(),
         ctx_tier: args.ctx_tier.policy()?,
+        beta_monitor: args.beta_mon.monitor(),
     };
     let mut session = model.new_session()?;
     let speculation = args.speculation.speculation();
@@ -702,6 +754,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         let tokens = run(&mut session, &mut |_| true)?;
         let text = byte_level.then(|| decode_bytes(&tokens));
         let stats = stats_json(&session.last_generate_stats(), speculation.is_some());
+        print_beta_mon(&session.last_generate_stats());
         println!(
             "{}",
             json!({"tokens": tokens, "text": text, "stats": stats})
@@ -733,6 +786,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         .write_all(String::from_utf8_lossy(&pending).as_bytes())
         .ok();
     writeln!(stdout).ok();
+    print_beta_mon(&session.last_generate_stats());
     if !args.common.quiet {
         let stats = session.last_generate_stats();
         eprint!("[tinyloop] generated {} tokens", tokens.len());
@@ -750,7 +804,20 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// A call's statistics as JSON (the speculative fields only for speculative calls).
+/// BETA-MON's summary line (and agreement warning) of a call monitored because of
+/// `--beta-monitor`, unless `TINYLOOP_BETA_MONITOR=1` made the library print it already.
+fn print_beta_mon(stats: &GenerateStats) {
+    let printed = BetaMonEnv::from_env().is_ok_and(|env| env.enabled);
+    if let Some(summary) = stats.beta_mon.filter(|_| !printed) {
+        eprintln!("{}", summary.line());
+        if let Some(warning) = summary.agreement_warning() {
+            eprintln!("{warning}");
+        }
+    }
+}
+
+/// A call's statistics as JSON (the speculative fields only for speculative calls; `beta_mon`
+/// for monitored calls).
 fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
     let mut out = json!({
         "tokens": stats.tokens,
@@ -765,6 +832,9 @@ fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
     }
     if let Some(tier) = &stats.ctx_tier {
         out["ctx_tier"] = ctx_tier_json(tier);
+    }
+    if let Some(summary) = &stats.beta_mon {
+        out["beta_mon"] = summary.to_json();
     }
     out
 }
@@ -1018,6 +1088,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         loops: common.loops,
         sampling: args.sampling.params(),
         ctx_tier: args.ctx_tier.policy()?,
+        beta_monitor: args.beta_mon.monitor(),
         ..GenerateParams::default()
     };
     let speculation = args.speculation.speculation();
@@ -1130,15 +1201,21 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "draft_reuse": speculation.map(|s| s.reuse),
         "prefix_cache": args.prefix_cache,
         "resume_from": args.resume_from,
+        "beta_monitor": args.beta_mon.beta_monitor,
         "stats": stats_json(&session.last_generate_stats(), speculation.is_some()),
     });
     if common.json {
         println!("{report}");
     } else {
         println!(
-            "device {}  loops {loops}  kv {}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB (KV cache {:.1} MB for {} tokens)",
+            "device {}  loops {loops}  kv {}{}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB (KV cache {:.1} MB for {} tokens)",
             model.info().device,
             session.kv_mode(),
+            if args.beta_mon.beta_monitor {
+                "  beta-mon on"
+            } else {
+                ""
+            },
             args.prompt_len,
             args.prompt_len as f64 / prefill_ms * 1e3,
             1e3 / decode_ms,

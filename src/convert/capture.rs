@@ -279,4 +279,16 @@ impl Backend for CaptureBackend {
     fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
         CpuBackend.chosen_tokens(step, rows)
     }
+
+    fn entropy_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        CpuBackend.entropy_rows(logits, rows, len, step)
+    }
+
+    fn chosen_measured(&self, step: &CpuStep) -> Result<(u32, f32)> {
+        CpuBackend.chosen_measured(step)
+    }
+
+    fn entropies(&self, step: &CpuStep, rows: usize) -> Result<Vec<f32>> {
+        CpuBackend.entropies(step, rows)
+    }
 }

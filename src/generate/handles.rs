@@ -188,7 +188,7 @@ pub fn generate_after<B: Backend>(
     let start = cache.len();
     let choice = next_choice(&req.sampling, &mut rng);
     let last = prefill(backend, w, buf, prompt, start, req.loops, choice, cancel)?;
-    let first = first_token(backend, w, buf, last)?;
+    let first = first_token(backend, w, buf, last, out.measures())?;
     decode(
         backend,
         w,
@@ -293,7 +293,7 @@ pub fn resume<B: Backend>(
         post: true,
     };
     run(backend, w, buf, n, rest, Some(cancel))?;
-    let first = first_token(backend, w, buf, n - 1)?;
+    let first = first_token(backend, w, buf, n - 1, out.measures())?;
     decode(backend, w, buf, &mut out, first, n, &mut rng)?;
     Ok(out.finish())
 }

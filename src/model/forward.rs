@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{Backend, NormLayer, StepInput};
+use crate::backend::{Backend, Chosen, NormLayer, StepInput};
 use crate::ctx_tier::{Tier, TierTracker};
 use crate::error::{Error, Result};
 use crate::kv::{Application, KvCache, KvLayout, KvSlot};
@@ -348,6 +348,8 @@ pub struct Decode {
     pub hidden_row: Option<usize>,
     /// Run the post blocks and the head and choose the next token (false: stop after saving).
     pub head: bool,
+    /// With the head: also measure the entropy of the logits (BETA-MON).
+    pub entropy: bool,
 }
 
 impl Decode {
@@ -357,13 +359,23 @@ impl Decode {
             loops,
             hidden_row: None,
             head: true,
+            entropy: false,
         }
+    }
+
+    /// This step, measuring the entropy of its logits when `entropy`.
+    pub fn measured(self, entropy: bool) -> Decode {
+        Decode { entropy, ..self }
     }
 
     /// Distinct for every distinct sequence of ops (the key of a captured graph).
     fn key(&self, sample: bool) -> u64 {
         let row = self.hidden_row.map_or(0, |r| r as u64 + 1);
-        (self.loops as u64) << 8 | row << 2 | (self.head as u64) << 1 | sample as u64
+        (self.loops as u64) << 9
+            | (self.entropy as u64) << 8
+            | row << 2
+            | (self.head as u64) << 1
+            | sample as u64
     }
 }
 
@@ -404,6 +416,9 @@ pub fn decode_step<B: Backend>(
         final_norm(backend, w, buf, 1);
         logits(backend, w, buf, 0, 1);
         choose(backend, w, buf);
+        if decode.entropy {
+            measure(backend, w, buf, 1);
+        }
     }
     if capturing {
         backend.graph_end(&mut buf.step, key)?;
@@ -469,6 +484,34 @@ pub fn argmax_rows<B: Backend>(
 /// The token chosen by the last [`decode_step`] or [`choose`] (waits for the device).
 pub fn chosen_token<B: Backend>(backend: &B, buf: &Buffers<B>) -> Result<u32> {
     backend.chosen_token(&buf.step)
+}
+
+/// Measure the entropy of each of logits rows `0..rows` (BETA-MON); read them with [`chosen`]
+/// (row 0) or [`entropies`].
+pub fn measure<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    backend.entropy_rows(&buf.logits, rows, w.config.vocab_size, &mut buf.step);
+}
+
+/// The token chosen by the last [`decode_step`] or [`choose`], with the entropy of its logits
+/// when `entropy` (the step measured it); one read from the device either way.
+pub fn chosen<B: Backend>(backend: &B, buf: &Buffers<B>, entropy: bool) -> Result<Chosen> {
+    if entropy {
+        let (token, bits) = backend.chosen_measured(&buf.step)?;
+        Ok(Chosen {
+            token,
+            entropy_bits: Some(bits),
+        })
+    } else {
+        Ok(Chosen {
+            token: backend.chosen_token(&buf.step)?,
+            entropy_bits: None,
+        })
+    }
+}
+
+/// The entropies of the last [`measure`] (waits for the device).
+pub fn entropies<B: Backend>(backend: &B, buf: &Buffers<B>, rows: usize) -> Result<Vec<f32>> {
+    backend.entropies(&buf.step, rows)
 }
 
 fn block_forward<B: Backend>(

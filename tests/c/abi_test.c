@@ -232,6 +232,34 @@ static void test_bad_values(tl_model *m) {
     stop_bad[0] = -1;
     EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "negative stop token");
 
+    /* BETA-MON thresholds, checked only when the call asks for it */
+    gp = gen_params(4);
+    gp.beta_mon_low_entropy_bits = -1.0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "beta_mon thresholds unread without beta_monitor");
+    gp.beta_monitor = true;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_low_entropy_bits < 0");
+    CHECK(strstr(tl_last_error_message(), "beta_monitor.low_entropy_bits") != NULL, "  ... the message names the field");
+    gp.beta_mon_low_entropy_bits = 7.0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_low above high");
+    gp.beta_mon_low_entropy_bits = 0.5;
+    gp.beta_mon_high_entropy_bits = NAN;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_high_entropy_bits NaN");
+    gp.beta_mon_high_entropy_bits = 6.0;
+    gp.beta_mon_agreement_floor = 1.5;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_agreement_floor 1.5");
+    gp.beta_mon_agreement_floor = 0.95;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "tl_generate with beta_monitor");
+    {
+        tl_generate_stats bs;
+        bs.struct_size = sizeof bs;
+        EXPECT(tl_last_generate_stats(m, &bs), TL_OK, "tl_last_generate_stats of a monitored call");
+        CHECK(bs.beta_mon && bs.beta_mon_n_tokens == len && bs.beta_mon_entropy_min_bits >= 0.0 &&
+                  bs.beta_mon_entropy_min_bits <= bs.beta_mon_entropy_mean_bits &&
+                  bs.beta_mon_entropy_mean_bits <= bs.beta_mon_entropy_max_bits &&
+                  bs.beta_mon_entropy_max_bits <= 8.0 + 1e-4 && bs.beta_mon_low_entropy_bits == 0.5,
+              "  ... beta_mon set, one entropy per token, 0 <= min <= mean <= max <= log2(256)");
+    }
+
     /* struct_size */
     gp = gen_params(4);
     gp.struct_size = sizeof gp - 1;

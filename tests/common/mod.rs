@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test crate uses a different subset
 
+pub mod beta_mon;
 pub mod reference;
 
 use std::path::PathBuf;

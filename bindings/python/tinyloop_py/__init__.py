@@ -230,6 +230,33 @@ class CtxTier:
         return p
 
 
+#: A generation call's ``beta_monitor``: None or False (monitored only when the environment
+#: says so), True (BETA-MON with the default thresholds), or a dict of thresholds
+#: (``low_entropy_bits``, ``high_entropy_bits``, ``agreement_floor``; missing ones take their
+#: defaults).
+BetaMonitor = Union[None, bool, Dict[str, float]]
+
+_BETA_KEYS = ("low_entropy_bits", "high_entropy_bits", "agreement_floor")
+
+
+def _set_beta_monitor(p: "_c.GenerateParams", beta_monitor: BetaMonitor) -> None:
+    if beta_monitor is None or beta_monitor is False:
+        return
+    p.beta_monitor = True
+    if beta_monitor is True:
+        return
+    if not isinstance(beta_monitor, dict):
+        raise TypeError(
+            f"beta_monitor must be a bool or a dict of thresholds, got {type(beta_monitor).__name__}"
+        )
+    for key, value in beta_monitor.items():
+        if key not in _BETA_KEYS:
+            raise ValueError(f"beta_monitor: unknown key {key!r} (known: {', '.join(_BETA_KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"beta_monitor[{key!r}] must be a number, got {type(value).__name__}")
+        setattr(p, "beta_mon_" + key, float(value))
+
+
 class _Call:
     """The converted arguments of one generation call (kept alive while C uses them)."""
 
@@ -245,6 +272,7 @@ class _Call:
         stop: Optional[Iterable[int]],
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ):
         self.tokens = _tokens(tokens)
         p = _c.GenerateParams()
@@ -273,6 +301,7 @@ class _Call:
         self.ctx_tier = None if ctx_tier is None else CtxTier.of(ctx_tier)._params()
         if self.ctx_tier is not None:
             p.ctx_tier = ctypes.addressof(self.ctx_tier)
+        _set_beta_monitor(p, beta_monitor)
         self.params = p
 
     def args(self):
@@ -281,6 +310,14 @@ class _Call:
 
 # --------------------------------------------------------------------------------------------
 # Handles
+
+
+def _beta_mon(stats: "_c.GenerateStats") -> Dict[str, Any]:
+    """The BETA-MON summary of a monitored call as a dict."""
+    names = [name for name, _ in _c.GenerateStats._fields_ if name.startswith("beta_mon_")]
+    summary: Dict[str, Any] = {name[len("beta_mon_"):]: getattr(stats, name) for name in names}
+    summary["agreement_rate"] = stats.agreement if stats.drafted > 0 else None
+    return summary
 
 
 class _Handle:
@@ -405,15 +442,19 @@ class _Runner:
         stop: Optional[Iterable[int]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Generate up to ``max_tokens`` tokens after ``tokens``; returns only the new tokens
         (np.int32), without the stop token that ended generation, if any. With
         ``prefix_cache`` (from :meth:`Model.build_prefix_cache`, at the same loops) the tokens
         are generated after its prefix: the same tokens as from prefix + ``tokens``. With
         ``ctx_tier`` (a :class:`CtxTier` or a dict of its fields) the loop body runs at INT2
-        once the sequence is long (CTX-TIER; every generation call takes it)."""
+        once the sequence is long (CTX-TIER; every generation call takes it). With
+        ``beta_monitor`` (True, or a dict of thresholds) the call's BETA-MON summary is
+        ``last_generate_stats()["beta_mon"]``."""
         call = _Call(
-            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache, ctx_tier
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
+            ctx_tier, beta_monitor,
         )
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
@@ -436,12 +477,14 @@ class _Runner:
         stop: Optional[Iterable[int]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> Iterator[int]:
         """Like :meth:`generate`, yielding each token (an int) as soon as it exists. Arguments
         are checked now; generation starts at the first ``next()``. Leaving the loop early
         stops generation after at most one more token."""
         call = _Call(
-            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache, ctx_tier
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
+            ctx_tier, beta_monitor,
         )
         h = self._handle("generate_stream")
         if h.closed:
@@ -612,14 +655,17 @@ class _Runner:
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Self-speculative generation: ``draft_len`` tokens at a time drafted at
         ``draft_loops`` iterations, verified at ``loops`` (the model default when None). Greedy
         output equals :meth:`generate` at ``loops``; sampled output has its distribution.
         ``reuse=False`` recomputes every block in the verify pass (the baseline). Acceptance
-        counts: :meth:`last_generate_stats`."""
+        counts (and with ``beta_monitor`` the BETA-MON summary, agreement included):
+        :meth:`last_generate_stats`."""
         call = _Call(
-            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, ctx_tier=ctx_tier
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
+            ctx_tier=ctx_tier, beta_monitor=beta_monitor,
         )
         spec = _c.SpeculativeParams()
         _check(_dll.tl_speculative_default_params(ctypes.byref(spec)), "generate_speculative")
@@ -665,13 +711,15 @@ class _Runner:
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Generate after the prompt of ``handle`` at ``loops`` (any depth): the same tokens as
         ``generate(prompt, loops=loops)``, reusing the iterations the handle already ran."""
         if not isinstance(handle, ResumeHandle):
             raise TypeError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
         call = _Call(
-            (), max_tokens, loops, temperature, top_k, top_p, seed, stop, ctx_tier=ctx_tier
+            (), max_tokens, loops, temperature, top_k, top_p, seed, stop,
+            ctx_tier=ctx_tier, beta_monitor=beta_monitor,
         )
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
@@ -685,17 +733,24 @@ class _Runner:
         """What the last successful generation call here did: ``tokens``, ``prefill_ms``,
         ``decode_ms``, and for speculative calls ``drafted``, ``accepted``,
         ``acceptance_rate`` and ``agreement`` (draft / verify argmax agreement); zeros before
-        the first call."""
+        the first call. ``beta_mon``: None, or for a monitored call its BETA-MON summary, a dict
+        with ``n_tokens``, ``entropy_mean_bits``, ``entropy_std_bits``, ``entropy_min_bits``,
+        ``entropy_max_bits``, ``low_rate``, ``high_rate``, ``agreement_rate`` (None unless
+        speculative), the thresholds ``low_entropy_bits``, ``high_entropy_bits``,
+        ``agreement_floor``, and ``agreement_below_floor``."""
         stats = _c.GenerateStats()
         stats.struct_size = ctypes.sizeof(_c.GenerateStats)
         self._looped("last_generate_stats", ctypes.byref(stats))
         names = [name for name, _ in _c.GenerateStats._fields_ if name != "struct_size"]
-        out: Dict[str, Any] = {k: getattr(stats, k) for k in names if not k.startswith("ctx_")}
+        out: Dict[str, Any] = {
+            k: getattr(stats, k) for k in names if not k.startswith(("ctx_", "beta_mon"))
+        }
         tier = {k[len("ctx_tier_"):]: getattr(stats, k) for k in names if k.startswith("ctx_")}
         final = tier.pop("final")
         if final:
             tier["tier"] = "SHORT" if final == 1 else "LONG"
         out["ctx_tier"] = tier if final else None
+        out["beta_mon"] = _beta_mon(stats) if stats.beta_mon else None
         return out
 
     def _vocab(self, method: str) -> int:

@@ -70,6 +70,10 @@ class GenerateParams(ctypes.Structure):
         ("n_stop_tokens", ctypes.c_size_t),
         ("prefix_cache", ctypes.c_void_p),
         ("ctx_tier", ctypes.c_void_p),
+        ("beta_monitor", ctypes.c_bool),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
     ]
 
 
@@ -122,6 +126,18 @@ class GenerateStats(ctypes.Structure):
         ("ctx_tier_apply_ms", ctypes.c_double),
         ("ctx_tier_freed_bytes", ctypes.c_int64),
         ("ctx_tier_final", ctypes.c_int32),
+        ("beta_mon", ctypes.c_bool),
+        ("beta_mon_n_tokens", ctypes.c_size_t),
+        ("beta_mon_entropy_mean_bits", ctypes.c_double),
+        ("beta_mon_entropy_std_bits", ctypes.c_double),
+        ("beta_mon_entropy_min_bits", ctypes.c_double),
+        ("beta_mon_entropy_max_bits", ctypes.c_double),
+        ("beta_mon_low_rate", ctypes.c_double),
+        ("beta_mon_high_rate", ctypes.c_double),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
+        ("beta_mon_agreement_below_floor", ctypes.c_bool),
     ]
 
 

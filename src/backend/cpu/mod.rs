@@ -13,6 +13,8 @@ use crate::format::DType;
 use crate::generate::sampling;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
+use crate::model::forward::LOGIT_ROWS;
+use crate::telemetry::beta_monitor::entropy_bits;
 
 pub use kv::read as read_kv_entry;
 pub(crate) use linear::dot;
@@ -34,6 +36,8 @@ pub struct CpuStep {
     chosen: u32,
     /// The tokens of the last `argmax_rows`.
     chosen_rows: Vec<u32>,
+    /// The entropies (bits) of the last `entropy_rows`.
+    entropies: Vec<f32>,
 }
 
 /// Allocate a zeroed vector, reporting failure as an error instead of aborting.
@@ -82,6 +86,7 @@ impl Backend for CpuBackend {
             choice: Choice::Greedy,
             chosen: 0,
             chosen_rows: Vec::with_capacity(max_rows),
+            entropies: Vec::with_capacity(LOGIT_ROWS),
         })
     }
 
@@ -292,5 +297,22 @@ impl Backend for CpuBackend {
 
     fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
         Ok(step.chosen_rows[..rows].to_vec())
+    }
+
+    fn entropy_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        step.entropies.clear();
+        step.entropies.extend(
+            logits[..rows * len]
+                .chunks_exact(len)
+                .map(|row| entropy_bits(row) as f32),
+        );
+    }
+
+    fn chosen_measured(&self, step: &CpuStep) -> Result<(u32, f32)> {
+        Ok((step.chosen, step.entropies[0]))
+    }
+
+    fn entropies(&self, step: &CpuStep, rows: usize) -> Result<Vec<f32>> {
+        Ok(step.entropies[..rows].to_vec())
     }
 }

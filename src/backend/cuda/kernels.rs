@@ -91,6 +91,7 @@ pub(crate) struct Kernels {
     pub to_half: sys::CUfunction,
     pub swiglu: sys::CUfunction,
     pub argmax_f32: sys::CUfunction,
+    pub entropy_f32: sys::CUfunction,
     pub sample_token: sys::CUfunction,
     /// `[bits index][rows index]`
     pub gemv: [[sys::CUfunction; 3]; 3],
@@ -595,6 +596,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             to_half: get(ELEMENTWISE, "to_half")?,
             swiglu: get(ELEMENTWISE, "swiglu")?,
             argmax_f32: get(ELEMENTWISE, "argmax_f32")?,
+            entropy_f32: get(ELEMENTWISE, "entropy_f32")?,
             sample_token: get(SAMPLE, "sample_token")?,
             gemv: by_bits("gemv")?,
             gemv_gateup: by_bits("gemv_gateup")?,

@@ -56,10 +56,13 @@ pub use step::CudaStep;
 // Byte offsets in a backend's scratch buffer (zero-initialized; the tickets return to zero after
 // every launch that uses them).
 const SCRATCH_ARGMAX_TICKET: usize = 4;
+const SCRATCH_ENTROPY_TICKET: usize = 8;
 const SCRATCH_ARGMAX_VALUES: usize = 1024;
 const SCRATCH_ARGMAX_INDICES: usize = 2048;
-const SCRATCH_TICKETS: usize = 3072;
-/// Most blocks of the argmax kernel (one candidate each in the scratch buffer).
+/// Three f32 partials (max, S, T) per block of the entropy kernel.
+const SCRATCH_ENTROPY_PARTS: usize = 3072;
+const SCRATCH_TICKETS: usize = SCRATCH_ENTROPY_PARTS + 3 * 4 * ARGMAX_BLOCKS;
+/// Most blocks of the argmax and entropy kernels (one candidate each in the scratch buffer).
 const ARGMAX_BLOCKS: usize = 256;
 
 /// Whether the CUDA driver library is present and reports at least one device (cheap; creates no
@@ -704,6 +707,18 @@ impl Backend for CudaBackend {
 
     fn chosen_tokens(&self, step: &CudaStep, rows: usize) -> Result<Vec<u32>> {
         self.read_chosen_rows(step, rows)
+    }
+
+    fn entropy_rows(&self, logits: &DevBuf, rows: usize, len: usize, step: &mut CudaStep) {
+        self.measure_rows(logits, rows, len, step)
+    }
+
+    fn chosen_measured(&self, step: &CudaStep) -> Result<(u32, f32)> {
+        self.read_chosen_measured(step)
+    }
+
+    fn entropies(&self, step: &CudaStep, rows: usize) -> Result<Vec<f32>> {
+        self.read_entropies(step, rows)
     }
 }
 
