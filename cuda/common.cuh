@@ -20,14 +20,15 @@ typedef unsigned long long u64;
 #define STEP_START_POS 0
 #define STEP_ROWS 1
 #define STEP_RESULT 2 // the chosen token (argmax or sample)
-#define STEP_TOP_K 3     // sampling: keep the k largest logits (0: all)
-#define STEP_INV_TEMP 4  // sampling: 1 / temperature, f32 bits
-#define STEP_TOP_P 5     // sampling: nucleus mass, f32 bits
-#define STEP_DRAW_LO 6   // sampling: 53-bit uniform draw, low word
-#define STEP_DRAW_HI 7   //   and high word
-#define STEP_MID_END 8   // KV age tiers: positions below this are in the INT4 tier (src/kv)
-#define STEP_OLD_END 9   //   and below this in the FP8-scale tier
-#define STEP_TOKENS 10
+#define STEP_ENTROPY 3   // BETA-MON: entropy in bits of logits rows 0..15, f32 (row 0 next to the token)
+#define STEP_TOP_K 19    // sampling: keep the k largest logits (0: all)
+#define STEP_INV_TEMP 20 // sampling: 1 / temperature, f32 bits
+#define STEP_TOP_P 21    // sampling: nucleus mass, f32 bits
+#define STEP_DRAW_LO 22  // sampling: 53-bit uniform draw, low word
+#define STEP_DRAW_HI 23  //   and high word
+#define STEP_MID_END 24  // KV age tiers: positions below this are in the INT4 tier (src/kv)
+#define STEP_OLD_END 25  //   and below this in the FP8-scale tier
+#define STEP_TOKENS 26
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 

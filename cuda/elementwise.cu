@@ -267,3 +267,95 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, floa
         *ticket = 0;
     }
 }
+
+// BETA-MON: entropy of softmax(x) from the moments of the logits around their running max m:
+// S = sum e^(x - m) and T = sum (x - m) e^(x - m); then H = ln S - T / S nats. Both terms are
+// >= 0 (ln S <= H and -T / S = H - ln S), so H is a sum without cancellation and f32 moments
+// keep its relative error near the f32 rounding of the sums. Any logit that is not finite makes
+// S or T NaN, as in the host reference (src/telemetry/beta_monitor).
+struct Moments {
+    float m, s, t;
+};
+
+// No logit yet (s = 0; the merges skip it).
+DEV Moments moments_empty() { return {NEG_INF, 0.0f, 0.0f}; }
+
+DEV void moments_add(Moments& a, float x) {
+    if (x > a.m) { // a new max: rescale what came before, if anything did
+        if (a.s != 0.0f) {
+            const float d = a.m - x, e = expf(d);
+            a.t = e * (a.t + d * a.s);
+            a.s = e * a.s;
+        }
+        a.m = x;
+    }
+    const float z = x - a.m, e = expf(z);
+    a.s += e;
+    a.t += z * e;
+}
+
+DEV Moments moments_merge(Moments a, Moments b) {
+    if (b.s == 0.0f) return a;
+    if (a.s == 0.0f) return b;
+    const float m = fmaxf(a.m, b.m);
+    const float da = a.m - m, db = b.m - m, ea = expf(da), eb = expf(db);
+    return {m, ea * a.s + eb * b.s, ea * (a.t + da * a.s) + eb * (b.t + db * b.s)};
+}
+
+DEV Moments moments_shfl(Moments a, int o) {
+    return {__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o),
+            __shfl_xor_sync(0xffffffffu, a.t, o)};
+}
+
+// Merges the block's moments in a fixed order; the result is valid in thread 0.
+DEV Moments moments_reduce(Moments a, Moments* shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = moments_merge(a, moments_shfl(a, o));
+    __syncthreads();
+    if (lane == 0) shared[warp] = a;
+    __syncthreads();
+    if (warp == 0) {
+        a = lane < warps ? shared[lane] : moments_empty();
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a = moments_merge(a, moments_shfl(a, o));
+    }
+    return a;
+}
+
+// result[0] = entropy in bits of softmax(x[0..len)). grid (G <= 256 blocks), 256 threads, the
+// same scheme as argmax_f32: block g reduces a contiguous slice into part[g], part[G + g],
+// part[2G + g]; the last block to finish merges the G partials in index order (so the result
+// does not depend on which block is last) and resets the ticket.
+extern "C" __global__ void entropy_f32(const float* __restrict__ x, int len, float* part,
+                                       int* ticket, float* __restrict__ result) {
+    kernel_start();
+    __shared__ Moments shared[32];
+    __shared__ bool last;
+    const int per = (len + gridDim.x - 1) / gridDim.x;
+    const int begin = blockIdx.x * per, end = min(len, begin + per);
+    Moments a = moments_empty();
+#pragma unroll 4
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) moments_add(a, x[i]);
+    a = moments_reduce(a, shared);
+    const int g = gridDim.x;
+    if (threadIdx.x == 0) {
+        part[blockIdx.x] = a.m;
+        part[g + blockIdx.x] = a.s;
+        part[2 * g + blockIdx.x] = a.t;
+        __threadfence();
+        last = atomicAdd(ticket, 1) == g - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    a = moments_empty();
+    for (int b = threadIdx.x; b < g; b += blockDim.x)
+        a = moments_merge(a, {__ldcg(part + b), __ldcg(part + g + b), __ldcg(part + 2 * g + b)});
+    __syncthreads();
+    a = moments_reduce(a, shared);
+    if (threadIdx.x == 0) {
+        result[0] = (logf(a.s) - a.t / a.s) * 1.4426950408889634f; // nats to bits
+        *ticket = 0;
+    }
+}

@@ -105,6 +105,25 @@ typedef struct tl_model_params {
     int32_t fp16_body;
 } tl_model_params;
 
+// A CTX-TIER policy (the loop body runs at INT2 once the context is long). Fill with
+// `tl_ctx_tier_default_params`, then change fields; pass it as `tl_generate_params.ctx_tier`.
+typedef struct tl_ctx_tier_params {
+    // `sizeof(tl_ctx_tier_params)`; set by `tl_ctx_tier_default_params`. Smaller values are
+    // rejected; larger values are accepted and the extra bytes ignored.
+    size_t struct_size;
+    // LONG -> SHORT when an observed sequence length is below this; >= 1. Default 512.
+    uint32_t short_t;
+    // SHORT -> LONG when an observed sequence length reaches this; >= short_t. Default 2048.
+    uint32_t long_t;
+    // Bits of the loop body at LONG: 2 (the only narrower encoding; others are rejected).
+    uint32_t long_bits;
+    // Add every transition to the summary printed on stderr. Default false.
+    bool verbose;
+    // NUL-terminated UTF-8 path that receives the call's summary as JSON, or NULL (default).
+    // Only read during the call.
+    const char *file;
+} tl_ctx_tier_params;
+
 // Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
 typedef struct tl_generate_params {
     // `sizeof(tl_generate_params)`; set by `tl_generate_default_params`. The size of this
@@ -137,6 +156,23 @@ typedef struct tl_generate_params {
     // by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
     // and their session forms; the other generation functions reject a non-NULL value.
     const struct tl_prefix_cache *prefix_cache;
+    // CTX-TIER policy of the call (`tl_ctx_tier_params`, only read during the call). NULL
+    // (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
+    // no tiers.
+    const struct tl_ctx_tier_params *ctx_tier;
+    // BETA-MON this call with the three thresholds below (docs/ABI.md "BETA-MON"): its summary
+    // is then in `tl_generate_stats`. false (default): the call is monitored only when the
+    // environment says so (TINYLOOP_BETA_MONITOR=1, with the TINYLOOP_BETA_MON_* thresholds).
+    bool beta_monitor;
+    // With `beta_monitor`: entropies below this many bits count in `beta_mon_low_rate`.
+    // Finite, >= 0 and <= `beta_mon_high_entropy_bits`. Default 0.5.
+    double beta_mon_low_entropy_bits;
+    // With `beta_monitor`: entropies above this many bits count in `beta_mon_high_rate`.
+    // Finite and >= 0. Default 6.0.
+    double beta_mon_high_entropy_bits;
+    // With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
+    // [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
+    double beta_mon_agreement_floor;
 } tl_generate_params;
 
 // How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -226,6 +262,42 @@ typedef struct tl_generate_stats {
     // The share of drafted positions where the draft's argmax equals the verify pass's (0
     // without drafts).
     double agreement;
+    // CTX-TIER (all 0 when the call had no tier policy): steps observed, steps run at each
+    // tier, transitions, the last observed sequence length.
+    size_t ctx_tier_observations;
+    size_t ctx_tier_short_steps;
+    size_t ctx_tier_long_steps;
+    size_t ctx_tier_transitions;
+    size_t ctx_tier_last_seq_len;
+    // Milliseconds from the first observation to the end of the call, and spent making loop
+    // bodies (re-pack to INT2, upload of INT4 again) at transitions.
+    double ctx_tier_elapsed_ms;
+    double ctx_tier_apply_ms;
+    // Net device bytes the call's transitions freed (negative: allocated).
+    int64_t ctx_tier_freed_bytes;
+    // The session's tier at the end of the call: 0 no policy, 1 SHORT, 2 LONG.
+    int32_t ctx_tier_final;
+    // The call was BETA-MONitored (docs/ABI.md "BETA-MON"); the `beta_mon_` fields are 0
+    // otherwise.
+    bool beta_mon;
+    // Returned tokens, each with the entropy of the distribution it was chosen from.
+    size_t beta_mon_n_tokens;
+    // Mean, population standard deviation, min and max of those entropies, in bits (all 0
+    // when no token was returned).
+    double beta_mon_entropy_mean_bits;
+    double beta_mon_entropy_std_bits;
+    double beta_mon_entropy_min_bits;
+    double beta_mon_entropy_max_bits;
+    // Share of the tokens below `beta_mon_low_entropy_bits`, and above
+    // `beta_mon_high_entropy_bits`.
+    double beta_mon_low_rate;
+    double beta_mon_high_rate;
+    // The thresholds the call was monitored with.
+    double beta_mon_low_entropy_bits;
+    double beta_mon_high_entropy_bits;
+    double beta_mon_agreement_floor;
+    // Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
+    bool beta_mon_agreement_below_floor;
 } tl_generate_stats;
 
 #ifdef __cplusplus
@@ -694,7 +766,8 @@ enum tl_status tl_session_resume_generate(const struct tl_session *session, cons
 // What the last successful generation call on the model's default session did (any of the
 // generate, speculative and resume functions): tokens returned, prefill and decode times, and
 // for speculative calls the drafted and accepted tokens, the acceptance rate and the draft /
-// verify argmax agreement. All zero before the first one. The caller sets
+// verify argmax agreement; for monitored calls the BETA-MON summary (`beta_mon` true). All zero
+// before the first one. The caller sets
 // `out->struct_size = sizeof(tl_generate_stats)` first.
 //
 // Ownership: the caller owns `*out`. Threads: any thread; `TL_ERR_BUSY` while a call is
@@ -712,6 +785,16 @@ enum tl_status tl_last_generate_stats(const struct tl_model *model, struct tl_ge
 // # Safety
 // As `tl_last_generate_stats`.
 enum tl_status tl_session_last_generate_stats(const struct tl_session *session, struct tl_generate_stats *out);
+
+// Fill `*params` with the defaults of this library version (including `struct_size`):
+// short_t 512, long_t 2048, long_bits 2, not verbose, no file.
+//
+// Ownership: the caller owns `*params` and the path it may point to later.
+// Threads: any thread.
+//
+// # Safety
+// `params` must be NULL or valid for a write of `tl_ctx_tier_params`.
+enum tl_status tl_ctx_tier_default_params(struct tl_ctx_tier_params *params);
 
 #ifdef __cplusplus
 }  // extern "C"

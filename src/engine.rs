@@ -6,10 +6,12 @@ use std::sync::atomic::AtomicUsize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::ctx_tier::CtxTier;
 use crate::kv::KvLayout;
 use crate::model::config::ModelConfig;
 use crate::model::forward::Buffers;
 use crate::model::weights::Weights;
+use crate::telemetry::beta_monitor::BetaMonEnv;
 use crate::{ModelInfo, ModelOptions};
 
 pub(crate) struct Loaded<B: Backend> {
@@ -40,10 +42,14 @@ pub(crate) struct Shared {
     pub options: ModelOptions,
     /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
     pub kv_layout: KvLayout,
+    /// The BETA-MON environment variables, read at open.
+    pub beta_env: BetaMonEnv,
     pub info: ModelInfo,
     /// Bytes held by live sessions (buffers and KV caches) and handles (prefix caches, resume
     /// handles).
     pub session_bytes: AtomicUsize,
+    /// The CTX-TIER policy of `TINYLOOP_CTX_TIER*` at open (generation calls without one).
+    pub env_ctx_tier: Option<CtxTier>,
 }
 
 impl Shared {
@@ -51,6 +57,14 @@ impl Shared {
         match &self.engine {
             Engine::Cpu(l) => &l.weights.config,
             Engine::Cuda(l) => &l.weights.config,
+        }
+    }
+
+    /// Device bytes of the weights now.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.engine {
+            Engine::Cpu(l) => l.weights.live_bytes(),
+            Engine::Cuda(l) => l.weights.live_bytes(),
         }
     }
 }

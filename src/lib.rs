@@ -15,6 +15,7 @@
 mod alloc;
 pub mod backend;
 pub mod convert;
+pub mod ctx_tier;
 mod device;
 mod engine;
 pub mod error;
@@ -25,6 +26,7 @@ mod handle;
 pub mod kv;
 pub mod model;
 mod session;
+pub mod telemetry;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,6 +43,7 @@ use model::weights::Weights;
 
 /// Packaging: precompile the CUDA kernels for an architecture into a folder (`tinyloop kernels`).
 pub use backend::cuda::kernels::ship as ship_kernels;
+pub use ctx_tier::{CtxTier, CtxTierStats, Tier};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;
@@ -52,6 +55,7 @@ pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
 pub use model::config::{HeadKind, ModelConfig, NormKind};
 pub use session::{CancelHandle, Session};
+pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,6 +104,12 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation ends when one of these is produced; it is not returned.
     pub stop_tokens: Vec<u32>,
+    /// CTX-TIER policy of the call; `None` uses the environment's (`TINYLOOP_CTX_TIER*`, read
+    /// when the model was opened), or runs without tiers when that is off.
+    pub ctx_tier: Option<CtxTier>,
+    /// BETA-MON this call with these thresholds (summary in `GenerateStats::beta_mon`); `None`
+    /// monitors it only when `TINYLOOP_BETA_MONITOR=1`.
+    pub beta_monitor: Option<BetaMonitor>,
 }
 
 impl Default for GenerateParams {
@@ -109,6 +119,8 @@ impl Default for GenerateParams {
             loops: None,
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
+            ctx_tier: None,
+            beta_monitor: None,
         }
     }
 }
@@ -172,6 +184,8 @@ impl Model {
             None => KvMode::from_env()?,
         };
         let kv_layout = KvLayout::new(&file.config, kv_mode, options.max_seq_len)?;
+        let env_ctx_tier = CtxTier::from_env()?;
+        let beta_env = BetaMonEnv::from_env()?;
         let mut notes = Vec::new();
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
@@ -182,7 +196,7 @@ impl Model {
                 }
                 let backend = CpuBackend;
                 let weights = Weights::load(&backend, &file, options.max_seq_len)?;
-                let bytes = weights.bytes;
+                let bytes = weights.live_bytes();
                 (
                     Engine::Cpu(Loaded { backend, weights }),
                     backend.describe(),
@@ -191,23 +205,29 @@ impl Model {
             }
             device::Selected::Cuda(backend) => {
                 let mut backend = *backend;
+                let fp16_body = options.fp16_body.unwrap_or_else(fp16_body::from_env);
+                if fp16_body {
+                    backend.enable_fp16_body()?;
+                }
                 let upload = Instant::now();
-                let mut weights = Weights::load(&backend, &file, options.max_seq_len)?;
+                let weights = Weights::load(&backend, &file, options.max_seq_len)?;
                 let fit = backend.finish_load(&weights)?;
-                if options.fp16_body.unwrap_or_else(fp16_body::from_env) {
-                    let (bytes, note) = backend.build_fp16_body(&weights, &file)?;
-                    weights.bytes += bytes;
-                    notes.push(note);
+                if fp16_body {
+                    notes.push(format!(
+                        "FP16 body cache: {:.1} MB of FP16 loop-body weights for prefill GEMMs \
+                         (cuBLAS)",
+                        backend.fp16_body_bytes(&weights) as f64 / 1e6
+                    ));
                 }
                 let upload_ms = upload.elapsed().as_secs_f64() * 1e3;
                 let (note, ms) = backend.kernel_load();
                 notes.push(format!("kernels: {note}"));
                 notes.push(format!(
                     "weights uploaded in {upload_ms:.1} ms ({:.1} GB/s); {fit}",
-                    weights.bytes as f64 / upload_ms / 1e6
+                    weights.live_bytes() as f64 / upload_ms / 1e6
                 ));
                 (kernels, kernel_ms) = (Some(note.to_string()), ms);
-                let bytes = weights.bytes;
+                let bytes = weights.live_bytes();
                 let name = backend.describe();
                 (Engine::Cuda(Loaded { backend, weights }), name, bytes)
             }
@@ -240,8 +260,10 @@ impl Model {
                 engine,
                 options: options.clone(),
                 kv_layout,
+                beta_env,
                 info,
                 session_bytes: AtomicUsize::new(0),
+                env_ctx_tier,
             }),
         })
     }
@@ -263,10 +285,16 @@ impl Model {
         self.shared.kv_layout.mode
     }
 
-    /// Device memory held by the weights, every live session and every live prefix cache and
+    /// Device memory held by the weights (the loop bodies alive now: CTX-TIER may add an INT2
+    /// re-pack and release the INT4 one), every live session and every live prefix cache and
     /// resume handle of this model, in bytes.
     pub fn memory_bytes(&self) -> usize {
-        self.shared.info.weight_bytes + self.shared.session_bytes.load(Ordering::Relaxed)
+        self.shared.weight_bytes() + self.shared.session_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Device bytes of the weights now (`ModelInfo::weight_bytes` is the amount at load).
+    pub fn weight_bytes(&self) -> usize {
+        self.shared.weight_bytes()
     }
 
     /// A new session with its own buffers and KV cache, sharing this model's weights.
@@ -280,12 +308,21 @@ impl Model {
         let layout = self.shared.kv_layout.clone();
         let state = match &self.shared.engine {
             Engine::Cpu(l) => {
-                SessionState::Cpu(Buffers::new(&l.backend, &l.weights.config, rows, layout)?)
+                // A new session starts at the SHORT tier: it needs the loaded loop body.
+                let (body, _) = l.weights.body.acquire(&l.backend, Tier::Short)?;
+                SessionState::Cpu(Buffers::new(
+                    &l.backend,
+                    &l.weights.config,
+                    rows,
+                    layout,
+                    body,
+                )?)
             }
             Engine::Cuda(l) => {
                 let config = &l.weights.config;
                 let backend = l.backend.session(config)?;
-                let buffers = Buffers::new(&backend, config, rows, layout)?;
+                let (body, _) = l.weights.body.acquire(&backend, Tier::Short)?;
+                let buffers = Buffers::new(&backend, config, rows, layout, body)?;
                 if opts.log {
                     let layout = &buffers.kv.layout;
                     let loops = config.default_loops;

@@ -5,13 +5,17 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::backend::Backend;
+use crate::ctx_tier::{CtxTier, CtxTierStats};
 use crate::engine::{with_backend, with_handle, Engine, PerDevice, SessionState, Shared};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crate::generate::lens::{self, TrajectoryPoint};
 use crate::generate::speculative::{self, Speculation};
 use crate::generate::{self, handles, GenerateRequest, GenerateStats};
 use crate::handle::{PrefixCache, ResumeHandle};
 use crate::handle::{PrefixInner, ResumeInner};
+use crate::telemetry::beta_monitor;
 use crate::{GenerateParams, KvMode, Model, ModelConfig};
 
 /// Cancels the call in flight on one session; `Send + Sync`, usable from any thread.
@@ -34,6 +38,7 @@ pub struct Session {
     cancel: Arc<AtomicBool>,
     accounted_bytes: usize,
     stats: GenerateStats,
+    tier_stats: Option<CtxTierStats>,
 }
 
 /// Where a generation call starts.
@@ -51,6 +56,7 @@ impl Session {
             cancel: Arc::new(AtomicBool::new(false)),
             accounted_bytes: 0,
             stats: GenerateStats::default(),
+            tier_stats: None,
         };
         session.account();
         session
@@ -118,8 +124,7 @@ impl Session {
         start: Start,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
-        // A cancel only concerns the call in flight; clear any earlier one before anything else.
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(self.generation_tier(params))?;
         let prefix = match start {
             Start::Prefix(cache) => cache.len(),
             _ => 0,
@@ -153,7 +158,7 @@ impl Session {
         prefix: &[u32],
         loops: Option<usize>,
     ) -> Result<PrefixCache> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(None)?;
         let loops = self.check_tokens(prefix, loops)?;
         if prefix.len() >= self.shared.options.max_seq_len {
             return Err(Error::invalid(format!(
@@ -183,7 +188,7 @@ impl Session {
         prompt: &[u32],
         loops: Option<usize>,
     ) -> Result<ResumeHandle> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(None)?;
         let loops = self.check_score(prompt, loops)?;
         let cancel = self.cancel.clone();
         let inner: ResumeInner = with_backend!(self, |b, w, buf| handles::ResumeHandle::build(
@@ -203,7 +208,7 @@ impl Session {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(self.generation_tier(params))?;
         self.check_model(&handle.shared, "resume handle")?;
         let req = self.request(handle.prompt(), params, 0)?;
         let cancel = self.cancel.clone();
@@ -220,7 +225,7 @@ impl Session {
 
     /// Logits `[n, vocab]` (row-major) for every position of `tokens`.
     pub fn score(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(None)?;
         let loops = self.check_score(tokens, loops)?;
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::score(
@@ -240,9 +245,40 @@ impl Session {
         Ok(generate::logprobs_from_logits(&logits, tokens, vocab))
     }
 
+    /// `log p(tokens[i + 1] | tokens[..=i])`, `n − 1` values, computed in steps of at most the
+    /// step buffers' rows (`prefill_chunk` when set), so `tokens` may be longer than one step.
+    /// With `ctx_tier`, the tier is observed before each step (CTX-TIER): positions of steps
+    /// that start the LONG tier and after run the INT2 loop body, attending to the KV the
+    /// earlier steps computed. Its statistics are in [`Session::last_ctx_tier_stats`].
+    pub fn logprobs_with(
+        &mut self,
+        tokens: &[u32],
+        loops: Option<usize>,
+        ctx_tier: Option<&CtxTier>,
+    ) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Err(Error::invalid("logprobs needs at least 2 tokens"));
+        }
+        let loops = self.check_tokens(tokens, loops)?;
+        self.start_call(ctx_tier.cloned())?;
+        let cancel = self.cancel.clone();
+        let result = with_backend!(self, |b, w, buf| generate::logprobs_chunked(
+            b, w, buf, tokens, loops, &cancel
+        ));
+        self.tier_stats = self.finish_tier();
+        self.account();
+        result
+    }
+
+    /// What CTX-TIER observed in the last call that had a tier policy (generation or
+    /// [`Session::logprobs_with`]); `None` when the last call had none.
+    pub fn last_ctx_tier_stats(&self) -> Option<CtxTierStats> {
+        self.tier_stats
+    }
+
     /// Logits `[vocab]` at the last position of `tokens`.
     pub fn score_last(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(None)?;
         let loops = self.check_score(tokens, loops)?;
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::score_last(
@@ -271,7 +307,7 @@ impl Session {
     }
 
     fn lens(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
-        self.cancel.store(false, Ordering::Release);
+        self.start_call(None)?;
         let loops = self.check_score(tokens, loops)?;
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| lens::logit_lens(
@@ -311,10 +347,48 @@ impl Session {
 
     /// Record a generation call's statistics and memory.
     fn finish(&mut self, result: Result<(Vec<u32>, GenerateStats)>) -> Result<Vec<u32>> {
+        self.tier_stats = self.finish_tier();
         self.account();
-        let (tokens, stats) = result?;
+        let (tokens, mut stats) = result?;
+        stats.ctx_tier = self.tier_stats;
+        if let Some(summary) = &stats.beta_mon {
+            beta_monitor::report(summary, &self.shared.beta_env);
+        }
         self.stats = stats;
         Ok(tokens)
+    }
+
+    /// Start a call, before anything else: clear an earlier cancel (it only concerned the call in
+    /// flight) and set the call's CTX-TIER policy (none: the call runs at the SHORT tier).
+    fn start_call(&mut self, ctx_tier: Option<CtxTier>) -> Result<()> {
+        self.cancel.store(false, Ordering::Release);
+        if let Some(policy) = &ctx_tier {
+            policy.validate()?;
+            let dtype = match &self.shared.engine {
+                Engine::Cpu(l) => l.weights.body.loaded_dtype(),
+                Engine::Cuda(l) => l.weights.body.loaded_dtype(),
+            };
+            if dtype != Some(DType::Int4) {
+                let found = dtype.map_or("of mixed encodings", |d| d.name());
+                return Err(Error::invalid(format!(
+                    "ctx_tier re-packs an INT4 loop body to INT2; this model's loop body is {found}"
+                )));
+            }
+        }
+        with_backend!(self, |_b, _w, buf| buf.tier.begin(ctx_tier));
+        Ok(())
+    }
+
+    fn finish_tier(&mut self) -> Option<CtxTierStats> {
+        with_backend!(self, |_b, _w, buf| buf.tier.finish())
+    }
+
+    /// The policy of a generation call: its own, else the environment's.
+    fn generation_tier(&self, params: &GenerateParams) -> Option<CtxTier> {
+        params
+            .ctx_tier
+            .clone()
+            .or_else(|| self.shared.env_ctx_tier.clone())
     }
 
     /// Keep the model-wide count of session bytes current.
@@ -368,6 +442,7 @@ impl Session {
             loops,
             sampling: params.sampling,
             stop_tokens: params.stop_tokens.clone(),
+            monitor: beta_monitor::resolve(params.beta_monitor, &self.shared.beta_env)?,
         })
     }
 
@@ -428,6 +503,11 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        // A session leaving the SHORT tier may leave the loaded loop body unused (CTX-TIER). On
+        // failure the body simply stays on the device.
+        let _ = with_backend!(self, |b, w, buf| b
+            .synchronize()
+            .and_then(|_| w.body.release_unused(b, Some(&buf.body))));
         self.shared
             .session_bytes
             .fetch_sub(self.accounted_bytes, Ordering::Relaxed);

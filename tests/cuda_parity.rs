@@ -1125,12 +1125,13 @@ fn decode_parity(
     let layout = KvLayout::new(&config, mode, max_seq).unwrap();
     let cpu = CpuBackend;
     let wc = Weights::load(&cpu, &file, max_seq).unwrap();
-    let mut bc = Buffers::new(&cpu, &config, 16, layout.clone()).unwrap();
+    let mut bc =
+        Buffers::new(&cpu, &config, 16, layout.clone(), wc.body.loaded().unwrap()).unwrap();
     let engine = gpu();
     let wg = Weights::load(&engine, &file, max_seq).unwrap();
     engine.finish_load(&wg).unwrap();
     let session = engine.session(&config).unwrap();
-    let mut bg = Buffers::new(&session, &config, 16, layout).unwrap();
+    let mut bg = Buffers::new(&session, &config, 16, layout, wg.body.loaded().unwrap()).unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);
     let vocab = config.vocab_size;
     let tokens = prompt(5, vocab, 99);
@@ -1526,9 +1527,9 @@ fn cuda_fp16_body_chunked_prefill_matches_single_shot() {
     let config = file.config.clone();
     let mut engine = gpu();
     let max_seq = 600;
+    engine.enable_fp16_body().unwrap();
     let weights = Weights::load(&engine, &file, max_seq).unwrap();
     engine.finish_load(&weights).unwrap();
-    engine.build_fp16_body(&weights, &file).unwrap();
     let session = engine.session(&config).unwrap();
     let prompt = prompt(520, config.vocab_size, 78);
     for mode in [KvMode::Fp16, KvMode::Fp16H] {
@@ -1782,4 +1783,140 @@ fn cuda_looped_calls_match() {
         ));
     }
     finish("cuda_looped_calls_match", failures);
+}
+
+// CTX-TIER on the GPU: the re-pack kernel against the host routine, and the tier switch inside
+// whole models (tests/ctx_tier.rs has the same checks on the CPU).
+
+fn tier(short_t: usize, long_t: usize) -> tinyloop::CtxTier {
+    tinyloop::CtxTier {
+        short_t,
+        long_t,
+        ..tinyloop::CtxTier::default()
+    }
+}
+
+fn tier_greedy(max_tokens: usize, ctx_tier: Option<tinyloop::CtxTier>) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        loops: Some(4),
+        ctx_tier,
+        ..GenerateParams::default()
+    }
+}
+
+/// The `requantize_group` kernel gives exactly the codes, scales and zeros of
+/// `QuantizedMatrix::requantize` (exact: the same f32 operations, IEEE division, rounding half
+/// away from zero, f16 round-to-nearest-even), including per-row groups and the tl-407m
+/// `mlp_down` shape; and a downloaded weight is the uploaded one.
+#[test]
+fn cuda_requantize_matches_the_host_repack() {
+    if !cuda_or_skip("cuda_requantize_matches_the_host_repack") {
+        return;
+    }
+    let b = gpu();
+    let mut rng = Rng::new(17);
+    for (rows, cols, group) in [
+        (64, 256, 128),
+        (48, 96, 32),
+        (8, 2048, 2048),
+        (3, 64, 4),
+        (5, 40, 8),
+        (2048, 8192, 128),
+    ] {
+        let w = randn(&mut rng, rows * cols, 0.05);
+        let int4 = quantize_rtn(&w, rows, cols, DType::Int4, group).unwrap();
+        let bytes = int4.to_bytes();
+        let host = HostLinear {
+            rows,
+            cols,
+            dtype: DType::Int4,
+            group_size: group,
+            bytes: &bytes,
+        };
+        let uploaded = b.upload_linear(&host).unwrap();
+        assert_eq!(b.download_linear(&uploaded).unwrap().bytes, bytes);
+        let repacked = b.requantize_linear(&uploaded, DType::Int2).unwrap();
+        let down = b.download_linear(&repacked).unwrap();
+        assert_eq!((down.dtype, down.group_size), (DType::Int2, group));
+        let expected = int4.requantize(DType::Int2).unwrap().to_bytes();
+        let first_bad = down.bytes.iter().zip(&expected).position(|(a, e)| a != e);
+        assert_eq!(
+            first_bad, None,
+            "{rows}x{cols} g{group}: first differing byte"
+        );
+        assert_eq!(down.bytes.len(), expected.len());
+    }
+}
+
+/// Device bytes of one uploaded weight: codes, parameters at the next 256-byte boundary, the
+/// whole allocation rounded up to 256 bytes (src/backend/cuda/linear.rs, driver.rs).
+fn cuda_weight_bytes(rows: usize, cols: usize, bits: usize, group: usize) -> usize {
+    let codes = (rows * cols * bits / 8).div_ceil(256) * 256;
+    (codes + 4 * rows * (cols / group)).div_ceil(256) * 256
+}
+
+/// A prompt of at least long_t tokens runs entirely at INT2: the same tokens as a model whose
+/// loop body was re-quantized on the host (same kernels, same weights: exact). A transition in
+/// the middle keeps the tokens chosen before it. Memory follows the bodies the sessions hold.
+#[test]
+fn cuda_ctx_tier_matches_an_int2_body_model() {
+    if !cuda_or_skip("cuda_ctx_tier_matches_an_int2_body_model") {
+        return;
+    }
+    for name in ["small", "tiny-gqa"] {
+        let path = synth(name, 4, 32);
+        let model = open(&path, Device::Cuda(0), 256);
+        let int2 = open(&common::with_int2_loop_body(&path), Device::Cuda(0), 256);
+        let vocab = model.config().vocab_size;
+        let long_prompt = prompt(10, vocab, 5);
+        let mut session = model.new_session().unwrap();
+        let got = session
+            .generate(&long_prompt, &tier_greedy(16, Some(tier(4, 8))))
+            .unwrap();
+        let stats = session.last_generate_stats().ctx_tier.unwrap();
+        assert_eq!((stats.short_steps, stats.transitions), (0, 1), "{name}");
+        let expected = int2
+            .new_session()
+            .unwrap()
+            .generate(&long_prompt, &tier_greedy(16, None))
+            .unwrap();
+        assert_eq!(
+            got, expected,
+            "{name}: INT2 at long_t vs the INT2-body model"
+        );
+
+        // A transition at observation 4 (seq_len 8) of a 5-token prompt.
+        let short_prompt = prompt(5, vocab, 9);
+        let plain = model
+            .new_session()
+            .unwrap()
+            .generate(&short_prompt, &tier_greedy(10, None))
+            .unwrap();
+        let mut mid = model.new_session().unwrap();
+        let switched = mid
+            .generate(&short_prompt, &tier_greedy(10, Some(tier(4, 8))))
+            .unwrap();
+        let stats = mid.last_generate_stats().ctx_tier.unwrap();
+        assert_eq!((stats.short_steps, stats.long_steps), (3, 7), "{name}");
+        assert_eq!(
+            switched[..3],
+            plain[..3],
+            "{name}: tokens before the transition"
+        );
+        drop(mid);
+
+        // Both sessions at LONG: INT4 is freed; back at SHORT it is restored exactly.
+        let (int4_bytes, int2_bytes) = common::loop_body_bytes(&path, cuda_weight_bytes);
+        let before = model.weight_bytes();
+        assert_eq!(before, model.info().weight_bytes - int4_bytes + int2_bytes);
+        let restored = session
+            .generate(&short_prompt, &tier_greedy(10, None))
+            .unwrap();
+        assert_eq!(
+            restored, plain,
+            "{name}: INT4 uploaded again from the host copy"
+        );
+        assert_eq!(model.weight_bytes(), model.info().weight_bytes);
+    }
 }

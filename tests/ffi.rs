@@ -215,6 +215,7 @@ fn generate_and_score_equal_the_rust_api() {
                         seed: 99,
                     },
                     stop_tokens: vec![stop[0] as u32],
+                    ..GenerateParams::default()
                 },
             )
             .unwrap();
@@ -973,8 +974,8 @@ fn looped_calls_equal_the_rust_api() {
     tl_resume_handle_free(handle);
 }
 
-/// A stats struct of an earlier size than this header's would be accepted once fields are
-/// added; today only the full size and larger ones are, and larger ones keep their extra bytes.
+/// A stats struct of an earlier size than this header's (before the CTX-TIER fields) is
+/// accepted with only its fields written; larger ones keep their extra bytes.
 #[test]
 fn generate_stats_leave_bytes_beyond_the_struct_alone() {
     let model = open(&model_file("tiny"), 128);
@@ -997,6 +998,108 @@ fn generate_stats_leave_bytes_beyond_the_struct_alone() {
     assert_eq!(bigger.stats.tokens, 3);
     assert_eq!(bigger.stats.struct_size, std::mem::size_of::<Bigger>());
     assert_eq!(bigger.future, [0x5a; 16]);
+    let mut older = stats(&model);
+    older.struct_size = std::mem::offset_of!(tl_generate_stats, ctx_tier_observations);
+    (older.tokens, older.ctx_tier_final) = (0, 77);
+    // SAFETY: a valid out-struct.
+    let status = unsafe { tl_last_generate_stats(model.0, &mut older) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    assert_eq!((older.tokens, older.ctx_tier_final), (3, 77));
+}
+
+fn ctx_tier_params(short_t: u32, long_t: u32) -> tl_ctx_tier_params {
+    let mut p = std::mem::MaybeUninit::<tl_ctx_tier_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_ctx_tier_default_params(p.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized above.
+    let mut p = unsafe { p.assume_init() };
+    assert_eq!((p.short_t, p.long_t, p.long_bits), (512, 2048, 2));
+    (p.short_t, p.long_t) = (short_t, long_t);
+    p
+}
+
+/// `tl_generate_params.ctx_tier` gives the Rust API's tokens and statistics; a header before
+/// the field is read without it; bad policies are rejected naming the field.
+#[test]
+fn ctx_tier_policies_reach_the_call() {
+    let path = model_file("tiny");
+    let model = open(&path, 128);
+    let mut p = gen_params(10);
+    p.loops = 3;
+    let (status, plain) = generate(&model, &PROMPT, &p);
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let mut tier = ctx_tier_params(4, 9);
+    p.ctx_tier = &tier;
+    let (status, tiered) = generate(&model, &PROMPT, &p);
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    let s = stats(&model);
+
+    let options = ModelOptions {
+        device: Some(Device::Cpu),
+        max_seq_len: 128,
+        log: false,
+        ..ModelOptions::default()
+    };
+    let mut session = Model::open(&path, &options).unwrap().new_session().unwrap();
+    let prompt: Vec<u32> = PROMPT.iter().map(|&t| t as u32).collect();
+    let params = GenerateParams {
+        max_tokens: 10,
+        loops: Some(3),
+        ctx_tier: Some(tinyloop::CtxTier {
+            short_t: 4,
+            long_t: 9,
+            ..Default::default()
+        }),
+        ..GenerateParams::default()
+    };
+    let expected: Vec<i32> = session
+        .generate(&prompt, &params)
+        .unwrap()
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    assert_eq!(tiered, expected);
+    assert_eq!(tiered[..3], plain[..3]);
+    let rust = session.last_generate_stats().ctx_tier.unwrap();
+    assert_eq!(
+        (
+            s.ctx_tier_observations,
+            s.ctx_tier_short_steps,
+            s.ctx_tier_long_steps
+        ),
+        (rust.observations, rust.short_steps, rust.long_steps)
+    );
+    assert_eq!((s.ctx_tier_transitions, s.ctx_tier_final), (1, 2));
+    assert_eq!(s.ctx_tier_last_seq_len, 15);
+
+    // A caller built against the header before `ctx_tier`: the field is not read.
+    p.ctx_tier = std::ptr::without_provenance(usize::MAX);
+    p.struct_size = std::mem::offset_of!(tl_generate_params, ctx_tier);
+    let (status, again) = generate(&model, &PROMPT, &p);
+    assert_eq!((status, again), (tl_status::TL_OK, plain));
+    p.struct_size = std::mem::size_of::<tl_generate_params>();
+    p.ctx_tier = &tier;
+
+    for (short_t, long_t, bits, size, message) in [
+        (10, 9, 2, None, "short_t (10) must be <= long_t (9)"),
+        (0, 9, 2, None, "short_t must be >= 1"),
+        (4, 9, 3, None, "long_bits must be 2"),
+        (4, 9, 2, Some(8), "tl_ctx_tier_params.struct_size"),
+    ] {
+        tier = ctx_tier_params(short_t, long_t);
+        tier.long_bits = bits;
+        if let Some(size) = size {
+            tier.struct_size = size;
+        }
+        p.ctx_tier = &tier;
+        let (status, out) = generate(&model, &PROMPT, &p);
+        assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT, "{message}");
+        assert!(out.is_empty());
+        assert!(last_error().contains(message), "{}", last_error());
+    }
 }
 
 fn score_into<T: Clone>(

@@ -337,7 +337,14 @@ fn memory_accounting_equals_the_allocations() {
         // The storage itself, through the forward pass's object.
         let weights = Weights::load(&CpuBackend, &file, 128).unwrap();
         let layout = KvLayout::new(&file.config, mode.parse().unwrap(), 128).unwrap();
-        let mut buf = Buffers::new(&CpuBackend, &file.config, 4, layout).unwrap();
+        let mut buf = Buffers::new(
+            &CpuBackend,
+            &file.config,
+            4,
+            layout,
+            weights.body.loaded().unwrap(),
+        )
+        .unwrap();
         buf.reserve_kv(&CpuBackend, buf.kv.layout.slots(3)).unwrap();
         assert_eq!(
             CpuBackend.kv_bytes(&buf.kv.storage),

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -187,6 +188,54 @@ struct ModelOptions {
     }
 };
 
+/// A CTX-TIER policy: the loop body is re-packed to INT2 once the sequence reaches long_t
+/// tokens, and back to INT4 on a call whose first step is below short_t. The default
+/// constructor takes the library's defaults.
+struct CtxTier {
+    uint32_t short_t;
+    uint32_t long_t;
+    uint32_t long_bits;  ///< 2 (the only narrower encoding)
+    bool verbose;        ///< add every transition to the summary on stderr
+    std::string file;    ///< receives the call's summary as JSON ("": none)
+
+    CtxTier() {
+        tl_ctx_tier_params p;
+        detail::check(tl_ctx_tier_default_params(&p));
+        short_t = p.short_t;
+        long_t = p.long_t;
+        long_bits = p.long_bits;
+        verbose = p.verbose;
+    }
+
+    /// The C struct; it points into this object's `file`.
+    tl_ctx_tier_params to_c() const {
+        tl_ctx_tier_params p;
+        detail::check(tl_ctx_tier_default_params(&p));
+        p.short_t = short_t;
+        p.long_t = long_t;
+        p.long_bits = long_bits;
+        p.verbose = verbose;
+        p.file = file.empty() ? nullptr : file.c_str();
+        return p;
+    }
+};
+
+/// The thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON"); the default constructor
+/// takes the library's defaults (0.5 bits, 6 bits, 0.95).
+struct BetaMonitor {
+    double low_entropy_bits;   ///< entropies below count in beta_mon_low_rate
+    double high_entropy_bits;  ///< entropies above count in beta_mon_high_rate
+    double agreement_floor;    ///< speculative calls: an agreement below this is flagged
+
+    BetaMonitor() {
+        tl_generate_params p;
+        detail::check(tl_generate_default_params(&p));
+        low_entropy_bits = p.beta_mon_low_entropy_bits;
+        high_entropy_bits = p.beta_mon_high_entropy_bits;
+        agreement_floor = p.beta_mon_agreement_floor;
+    }
+};
+
 /// Options of one generation call; the default constructor takes the library's defaults
 /// (greedy, 128 tokens, the model's default loops).
 struct GenerateOptions {
@@ -200,6 +249,12 @@ struct GenerateOptions {
     /// Generate after this cache's prefix (built at the same loops): the same tokens as
     /// generating from prefix + prompt. generate and generate_stream only; not owned.
     const PrefixCache* prefix_cache = nullptr;
+    /// The call's CTX-TIER policy; empty: the TINYLOOP_CTX_TIER* environment's policy when the
+    /// model was opened, or no tiers.
+    std::optional<CtxTier> ctx_tier;
+    /// BETA-MON this call with these thresholds: its summary is then in last_generate_stats()
+    /// (`beta_mon` true). Empty: monitored only when TINYLOOP_BETA_MONITOR=1.
+    std::optional<BetaMonitor> beta_monitor;
 
     GenerateOptions() {
         tl_generate_params p;
@@ -226,8 +281,22 @@ struct GenerateOptions {
         if (prefix_cache != nullptr && prefix_cache->get() == nullptr)
             throw Error(TL_ERR_INVALID_ARGUMENT, "GenerateOptions::prefix_cache was moved from");
         p.prefix_cache = prefix_cache != nullptr ? prefix_cache->get() : nullptr;
+        if (ctx_tier) {
+            ctx_tier_c_ = ctx_tier->to_c();
+            p.ctx_tier = &ctx_tier_c_;
+        }
+        if (beta_monitor) {
+            p.beta_monitor = true;
+            p.beta_mon_low_entropy_bits = beta_monitor->low_entropy_bits;
+            p.beta_mon_high_entropy_bits = beta_monitor->high_entropy_bits;
+            p.beta_mon_agreement_floor = beta_monitor->agreement_floor;
+        }
         return p;
     }
+
+  private:
+    // What `to_c` points to: lives as long as these options.
+    mutable tl_ctx_tier_params ctx_tier_c_{};
 };
 
 /// The static architecture of a model plus the options it was opened with.

@@ -108,6 +108,39 @@ type GenerateStats struct {
 	Accepted       int     // speculative calls: drafted tokens accepted
 	AcceptanceRate float64 // Accepted / Drafted (0 without drafts)
 	Agreement      float64 // share of drafted positions where draft and verify argmax agree
+	// CtxTier is what CTX-TIER observed, or nil when the call had no tier policy.
+	CtxTier *CtxTierStats
+
+	// BetaMon is the BETA-MON summary of a monitored call; nil otherwise.
+	BetaMon *BetaMonSummary
+}
+
+// CtxTierStats is what CTX-TIER observed in one call.
+type CtxTierStats struct {
+	Observations int     // steps observed
+	ShortSteps   int     // steps run at the SHORT tier (INT4 loop body)
+	LongSteps    int     // steps run at the LONG tier (INT2 loop body)
+	Transitions  int     // tier changes
+	LastSeqLen   int     // sequence length at the last observation
+	ElapsedMS    float64 // from the first observation to the end of the call
+	ApplyMS      float64 // spent re-packing or uploading loop bodies at transitions
+	FreedBytes   int64   // net device bytes the transitions freed (negative: allocated)
+	Long         bool    // the session's tier at the end of the call is LONG
+}
+
+// BetaMonSummary is BETA-MON's account of one call: the entropy in bits of the distribution
+// each returned token was chosen from (all 0 when no token was returned).
+type BetaMonSummary struct {
+	NTokens             int
+	EntropyMeanBits     float64
+	EntropyStdBits      float64 // population standard deviation
+	EntropyMinBits      float64
+	EntropyMaxBits      float64
+	LowRate             float64 // share below Thresholds.LowEntropyBits
+	HighRate            float64 // share above Thresholds.HighEntropyBits
+	Thresholds          BetaMonitor
+	AgreementRate       float64 // speculative calls (Drafted > 0): the draft/verify agreement
+	AgreementBelowFloor bool    // speculative calls: AgreementRate < Thresholds.AgreementFloor
 }
 
 // bound is a prefix cache or resume handle: its handle value, freed once by Close.
@@ -340,8 +373,8 @@ func (r *runner) generateWith(ctx context.Context, method string, o *GenerateOpt
 	if err := ctx.Err(); err != nil {
 		return nil, cancelledByCtx(ctx, &Error{Status: StatusCancelled})
 	}
-	p, stop, err := cParams(o, method)
-	defer C.free(unsafe.Pointer(stop))
+	p, release, err := cParams(o, method)
+	defer release()
 	if err != nil {
 		return nil, err
 	}
@@ -424,9 +457,37 @@ func (r *runner) LastGenerateStats() (GenerateStats, error) {
 	if err := call(method, r.h.what, func() C.enum_tl_status { return C.tinyloop_last_generate_stats(r.model, r.session, &s) }); err != nil {
 		return GenerateStats{}, err
 	}
-	return GenerateStats{
+	stats := GenerateStats{
 		Tokens: int(s.tokens), PrefillMS: float64(s.prefill_ms), DecodeMS: float64(s.decode_ms),
 		Drafted: int(s.drafted), Accepted: int(s.accepted),
 		AcceptanceRate: float64(s.acceptance_rate), Agreement: float64(s.agreement),
-	}, nil
+	}
+	if s.ctx_tier_final != 0 {
+		stats.CtxTier = &CtxTierStats{
+			Observations: int(s.ctx_tier_observations), ShortSteps: int(s.ctx_tier_short_steps),
+			LongSteps: int(s.ctx_tier_long_steps), Transitions: int(s.ctx_tier_transitions),
+			LastSeqLen: int(s.ctx_tier_last_seq_len), ElapsedMS: float64(s.ctx_tier_elapsed_ms),
+			ApplyMS: float64(s.ctx_tier_apply_ms), FreedBytes: int64(s.ctx_tier_freed_bytes),
+			Long: s.ctx_tier_final == 2,
+		}
+	}
+	if s.beta_mon {
+		stats.BetaMon = &BetaMonSummary{
+			NTokens:         int(s.beta_mon_n_tokens),
+			EntropyMeanBits: float64(s.beta_mon_entropy_mean_bits),
+			EntropyStdBits:  float64(s.beta_mon_entropy_std_bits),
+			EntropyMinBits:  float64(s.beta_mon_entropy_min_bits),
+			EntropyMaxBits:  float64(s.beta_mon_entropy_max_bits),
+			LowRate:         float64(s.beta_mon_low_rate),
+			HighRate:        float64(s.beta_mon_high_rate),
+			Thresholds: BetaMonitor{
+				LowEntropyBits:  float64(s.beta_mon_low_entropy_bits),
+				HighEntropyBits: float64(s.beta_mon_high_entropy_bits),
+				AgreementFloor:  float64(s.beta_mon_agreement_floor),
+			},
+			AgreementRate:       float64(s.agreement),
+			AgreementBelowFloor: bool(s.beta_mon_agreement_below_floor),
+		}
+	}
+	return stats, nil
 }

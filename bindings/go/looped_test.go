@@ -251,3 +251,42 @@ func TestBoundHandlesAreReleasedWithTheirModel(t *testing.T) {
 	_, err = m.BuildPrefixCache(prefix, LoopsDefault)
 	wantStatus(t, err, StatusClosed, "BuildPrefixCache after Close")
 }
+
+func TestCtxTierSwitchesTheLoopBodyInTheMiddleOfGeneration(t *testing.T) {
+	m := open(t, 256)
+	ctx := context.Background()
+	opts := DefaultGenerateOptions()
+	opts.MaxTokens, opts.Loops = 10, 3
+	plain, err := m.Generate(ctx, prompt, &opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, _ := m.LastGenerateStats(); s.CtxTier != nil {
+		t.Fatalf("a call without a policy reports %+v", *s.CtxTier)
+	}
+	tier := DefaultCtxTier()
+	tier.ShortT, tier.LongT = 4, 9
+	opts.CtxTier = &tier
+	out, err := m.Generate(ctx, prompt, &opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := m.LastGenerateStats()
+	if err != nil || s.CtxTier == nil {
+		t.Fatalf("stats %+v, %v", s, err)
+	}
+	// 6 prompt tokens: observations at seq_len 6, 7, 8 run at INT4, from 9 on at INT2.
+	got := *s.CtxTier
+	if got.Observations != 10 || got.ShortSteps != 3 || got.LongSteps != 7 || got.Transitions != 1 || !got.Long {
+		t.Fatalf("ctx tier stats %+v", got)
+	}
+	if !reflect.DeepEqual(out[:3], plain[:3]) {
+		t.Fatalf("tokens before the transition differ: %v vs %v", out[:3], plain[:3])
+	}
+	tier.LongBits = 3
+	_, err = m.Generate(ctx, prompt, &opts)
+	wantStatus(t, err, StatusInvalidArgument, "CtxTier.LongBits 3")
+	if !strings.Contains(err.Error(), "long_bits") {
+		t.Fatalf("the error does not name long_bits: %v", err)
+	}
+}

@@ -115,6 +115,79 @@ type GenerateOptions struct {
 	// tokens as generating from its prefix followed by the prompt. Generate and GenerateStream
 	// only.
 	PrefixCache *PrefixCache
+	// CtxTier, when set, is the call's CTX-TIER policy (nil: the TINYLOOP_CTX_TIER*
+	// environment's policy when the model was opened, or no tiers).
+	CtxTier *CtxTier
+	// BetaMonitor, when set, BETA-MONitors the call with these thresholds (start from
+	// DefaultBetaMonitor()); the summary is then GenerateStats.BetaMon. nil: monitored only when
+	// the environment says so (TINYLOOP_BETA_MONITOR=1).
+	BetaMonitor *BetaMonitor
+}
+
+// CtxTier is a CTX-TIER policy: the loop body is re-packed to INT2 once the sequence reaches
+// LongT tokens, and back to INT4 on a call whose first step is below ShortT. Start from
+// DefaultCtxTier().
+type CtxTier struct {
+	ShortT   int    // >= 1
+	LongT    int    // >= ShortT
+	LongBits int    // 2 (the only narrower encoding)
+	Verbose  bool   // add every transition to the summary on stderr
+	File     string // receives the call's summary as JSON ("": none)
+}
+
+// DefaultCtxTier returns the library's defaults (tl_ctx_tier_default_params).
+func DefaultCtxTier() CtxTier {
+	var p C.tl_ctx_tier_params
+	C.tl_ctx_tier_default_params(&p)
+	return CtxTier{ShortT: int(p.short_t), LongT: int(p.long_t), LongBits: int(p.long_bits)}
+}
+
+// cCtxTier converts a policy to C memory (the params struct that points to it lives in Go
+// memory, so it must not point to Go memory); free it with freeCtxTier.
+func cCtxTier(t *CtxTier) (*C.tl_ctx_tier_params, error) {
+	for _, v := range []struct {
+		name  string
+		value int
+	}{{"ShortT", t.ShortT}, {"LongT", t.LongT}, {"LongBits", t.LongBits}} {
+		if v.value < 0 || v.value > 1<<32-1 {
+			return nil, invalid("CtxTier.%s %d out of range", v.name, v.value)
+		}
+	}
+	p := (*C.tl_ctx_tier_params)(C.malloc(C.size_t(unsafe.Sizeof(C.tl_ctx_tier_params{}))))
+	C.tl_ctx_tier_default_params(p)
+	p.short_t = C.uint32_t(t.ShortT)
+	p.long_t = C.uint32_t(t.LongT)
+	p.long_bits = C.uint32_t(t.LongBits)
+	p.verbose = C.bool(t.Verbose)
+	if t.File != "" {
+		p.file = C.CString(t.File)
+	}
+	return p, nil
+}
+
+func freeCtxTier(p *C.tl_ctx_tier_params) {
+	if p != nil {
+		C.free(unsafe.Pointer(p.file))
+		C.free(unsafe.Pointer(p))
+	}
+}
+
+// BetaMonitor holds the thresholds of a BETA-MONitored call (docs/ABI.md "BETA-MON").
+type BetaMonitor struct {
+	LowEntropyBits  float64 // entropies below this count in LowRate (finite, >= 0)
+	HighEntropyBits float64 // entropies above this count in HighRate (finite, >= LowEntropyBits)
+	AgreementFloor  float64 // speculative calls: an agreement below this is flagged ([0, 1])
+}
+
+// DefaultBetaMonitor returns the library's default thresholds (0.5 bits, 6 bits, 0.95).
+func DefaultBetaMonitor() BetaMonitor {
+	var p C.tl_generate_params
+	C.tl_generate_default_params(&p)
+	return BetaMonitor{
+		LowEntropyBits:  float64(p.beta_mon_low_entropy_bits),
+		HighEntropyBits: float64(p.beta_mon_high_entropy_bits),
+		AgreementFloor:  float64(p.beta_mon_agreement_floor),
+	}
 }
 
 // DefaultGenerateOptions returns the library's defaults (tl_generate_default_params).
@@ -198,22 +271,23 @@ func cTokens(tokens []int32) *C.int32_t {
 	return p
 }
 
-// cParams converts options of a call named method to C; free the returned stop array with
-// C.free (nil-safe).
-func cParams(o *GenerateOptions, method string) (C.tl_generate_params, *C.int32_t, error) {
+// cParams converts options of a call named method to C; call the returned release function
+// when the call is done (it frees the C memory the params point to).
+func cParams(o *GenerateOptions, method string) (C.tl_generate_params, func(), error) {
 	var p C.tl_generate_params
 	C.tl_generate_default_params(&p)
+	none := func() {}
 	if o == nil {
-		return p, nil, nil
+		return p, none, nil
 	}
 	if o.MaxTokens < 0 || o.MaxTokens > 1<<32-1 {
-		return p, nil, invalid("MaxTokens %d out of range", o.MaxTokens)
+		return p, none, invalid("MaxTokens %d out of range", o.MaxTokens)
 	}
 	if o.TopK < 0 || o.TopK > 1<<32-1 {
-		return p, nil, invalid("TopK %d out of range", o.TopK)
+		return p, none, invalid("TopK %d out of range", o.TopK)
 	}
 	if o.Loops < -1<<31 || o.Loops > 1<<31-1 {
-		return p, nil, invalid("Loops %d out of range", o.Loops)
+		return p, none, invalid("Loops %d out of range", o.Loops)
 	}
 	p.max_tokens = C.uint32_t(o.MaxTokens)
 	p.loops = C.int32_t(o.Loops)
@@ -224,15 +298,32 @@ func cParams(o *GenerateOptions, method string) (C.tl_generate_params, *C.int32_
 	if o.PrefixCache != nil {
 		cache, err := o.PrefixCache.get(method)
 		if err != nil {
-			return p, nil, err
+			return p, none, err
 		}
 		p.prefix_cache = (*C.tl_prefix_cache)(cache)
+	}
+	if o.CtxTier != nil {
+		tier, err := cCtxTier(o.CtxTier)
+		if err != nil {
+			return p, none, err
+		}
+		p.ctx_tier = tier
+	}
+	if b := o.BetaMonitor; b != nil {
+		p.beta_monitor = true
+		p.beta_mon_low_entropy_bits = C.double(b.LowEntropyBits)
+		p.beta_mon_high_entropy_bits = C.double(b.HighEntropyBits)
+		p.beta_mon_agreement_floor = C.double(b.AgreementFloor)
 	}
 	// The params struct lives in Go memory, so the stop array must be C memory (cgo rules).
 	stop := cTokens(o.Stop)
 	p.stop_tokens = stop
 	p.n_stop_tokens = C.size_t(len(o.Stop))
-	return p, stop, nil
+	release := func() {
+		C.free(unsafe.Pointer(stop))
+		freeCtxTier(p.ctx_tier)
+	}
+	return p, release, nil
 }
 
 func invalid(format string, args ...interface{}) error {
@@ -325,8 +416,8 @@ func (r *runner) doStream(ctx context.Context, tokens []int32, o *GenerateOption
 	if err := ctx.Err(); err != nil {
 		return cancelledByCtx(ctx, &Error{Status: StatusCancelled})
 	}
-	p, stop, err := cParams(o, "GenerateStream")
-	defer C.free(unsafe.Pointer(stop))
+	p, release, err := cParams(o, "GenerateStream")
+	defer release()
 	if err != nil {
 		return err
 	}

@@ -45,6 +45,28 @@ impl HostLinear<'_> {
     }
 }
 
+/// A linear weight's bytes in host memory, in the file's encoding (a device copy brought back).
+#[derive(Clone, Debug)]
+pub struct OwnedLinear {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    pub group_size: usize,
+    pub bytes: Vec<u8>,
+}
+
+impl OwnedLinear {
+    pub fn as_host(&self) -> HostLinear<'_> {
+        HostLinear {
+            rows: self.rows,
+            cols: self.cols,
+            dtype: self.dtype,
+            group_size: self.group_size,
+            bytes: &self.bytes,
+        }
+    }
+}
+
 /// Position-dependent inputs of one forward step: token ids, the position of the first row, and
 /// how [`Backend::choose`] picks a token from this step's logits.
 #[derive(Clone, Copy, Debug)]
@@ -68,6 +90,14 @@ impl Choice {
     pub fn is_sample(&self) -> bool {
         matches!(self, Choice::Sample { .. })
     }
+}
+
+/// A token chosen from a row of logits and, when it was measured (BETA-MON), the entropy in bits
+/// of that row's distribution.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Chosen {
+    pub token: u32,
+    pub entropy_bits: Option<f32>,
 }
 
 /// A norm layer as the ops take it.
@@ -134,6 +164,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Bytes of device memory a buffer or weight occupies (for `vram_usage_mb`).
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
+    /// The encoding of an uploaded weight.
+    fn linear_dtype(&self, w: &Self::Linear) -> DType;
+
+    /// A quantized weight re-quantized to `dtype` at the same group size, equal bit for bit to
+    /// [`QuantizedMatrix::requantize`] (CTX-TIER's re-pack of the loop body), in stream order.
+    fn requantize_linear(&self, w: &Self::Linear, dtype: DType) -> Result<Self::Linear>;
+    /// A weight's bytes on the host, in the file's encoding (waits for the device).
+    fn download_linear(&self, w: &Self::Linear) -> Result<OwnedLinear>;
+    /// Prepare a weight of a loop body as the body is made (loaded, re-packed or uploaded
+    /// again): every loop iteration reads it again, so a backend with a cache policy keeps it
+    /// resident, and the CUDA backend with the FP16 body cache gives it its FP16 copy. Nothing by
+    /// default.
+    fn prepare_loop_weight(&self, _w: &Self::Linear) -> Result<()> {
+        Ok(())
+    }
     fn kv_bytes(&self, kv: &Self::KvStorage) -> usize;
 
     /// Stage the token ids, start position and choice of the next step, and the KV cache's
@@ -294,6 +339,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// The tokens of the last [`Backend::argmax_rows`] (waits for the device).
     fn chosen_tokens(&self, step: &Self::Step, rows: usize) -> Result<Vec<u32>>;
+
+    /// The entropy in bits of softmax at temperature 1 of each of the first `rows` rows of `len`
+    /// logits, into the step (at most `LOGIT_ROWS` rows; BETA-MON); read row 0 with
+    /// [`Backend::chosen_measured`], all of them with [`Backend::entropies`].
+    fn entropy_rows(&self, logits: &Self::Float, rows: usize, len: usize, step: &mut Self::Step);
+
+    /// The token of the last [`Backend::choose`] and the entropy of row 0 of the last
+    /// [`Backend::entropy_rows`], read together (waits for the device).
+    fn chosen_measured(&self, step: &Self::Step) -> Result<(u32, f32)>;
+
+    /// The entropies of the last [`Backend::entropy_rows`] (waits for the device).
+    fn entropies(&self, step: &Self::Step, rows: usize) -> Result<Vec<f32>>;
 
     // Decode graphs (model/forward.rs `decode_step`). The defaults capture nothing, so a backend
     // without graphs runs the same ops eagerly.

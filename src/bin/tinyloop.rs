@@ -16,8 +16,8 @@ use serde_json::json;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
-    Device, Error, GenerateParams, GenerateStats, KvMode, Model, ModelOptions, Result,
-    SamplingParams, Speculation,
+    BetaMonEnv, BetaMonitor, CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats,
+    KvMode, Model, ModelOptions, Result, SamplingParams, Speculation,
 };
 
 #[derive(Parser)]
@@ -115,6 +115,91 @@ struct GenerateArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
+    #[command(flatten)]
+    beta_mon: BetaMonArgs,
+}
+
+/// CTX-TIER: the loop body runs at INT2 once the context is long (docs/ABI.md "CTX-TIER").
+#[derive(Args, Clone)]
+struct CtxTierArgs {
+    /// Re-pack the loop body to INT2 when the sequence reaches --ctx-tier-long-t tokens, back to
+    /// INT4 below --ctx-tier-short-t (defaults: TINYLOOP_CTX_TIER_* or 512 / 2048).
+    #[arg(long)]
+    ctx_tier: bool,
+    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    ctx_tier_short_t: Option<usize>,
+    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    ctx_tier_long_t: Option<usize>,
+    /// Bits of the loop body at LONG (only 2).
+    #[arg(long, value_name = "BITS", requires = "ctx_tier")]
+    ctx_tier_long_bits: Option<u32>,
+}
+
+impl CtxTierArgs {
+    /// The policy the flags ask for, on top of the environment's (`None` without --ctx-tier).
+    fn policy(&self) -> Result<Option<CtxTier>> {
+        if !self.ctx_tier {
+            return Ok(None);
+        }
+        let base = CtxTier::from_env()?.unwrap_or_default();
+        let policy = CtxTier {
+            short_t: self.ctx_tier_short_t.unwrap_or(base.short_t),
+            long_t: self.ctx_tier_long_t.unwrap_or(base.long_t),
+            long_bits: self.ctx_tier_long_bits.unwrap_or(base.long_bits),
+            ..base
+        };
+        policy.validate()?;
+        Ok(Some(policy))
+    }
+}
+
+/// BETA-MON: the entropy of each token's distribution and the draft/verify agreement
+/// (docs/ABI.md "BETA-MON").
+#[derive(Args)]
+struct BetaMonArgs {
+    /// Monitor the call: BETA-MON's summary line on stderr (`generate`), `beta_mon` in the
+    /// JSON stats.
+    #[arg(long)]
+    beta_monitor: bool,
+    /// Entropies below this many bits count as low.
+    #[arg(
+        long,
+        value_name = "BITS",
+        default_value_t = BetaMonitor::default().low_entropy_bits,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_low_entropy_bits: f64,
+    /// Entropies above this many bits count as high.
+    #[arg(
+        long,
+        value_name = "BITS",
+        default_value_t = BetaMonitor::default().high_entropy_bits,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_high_entropy_bits: f64,
+    /// Speculative calls: warn when the draft/verify agreement is below this share.
+    #[arg(
+        long,
+        value_name = "SHARE",
+        default_value_t = BetaMonitor::default().agreement_floor,
+        allow_negative_numbers = true,
+        requires = "beta_monitor"
+    )]
+    beta_mon_agreement_floor: f64,
+}
+
+impl BetaMonArgs {
+    fn monitor(&self) -> Option<BetaMonitor> {
+        self.beta_monitor.then_some(BetaMonitor {
+            low_entropy_bits: self.beta_mon_low_entropy_bits,
+            high_entropy_bits: self.beta_mon_high_entropy_bits,
+            agreement_floor: self.beta_mon_agreement_floor,
+        })
+    }
 }
 
 /// Self-speculative decoding: draft at fewer loop iterations, verify at `--loops`.
@@ -211,6 +296,8 @@ struct ScoreArgs {
     /// [0, 128), [128, 256) and, for longer windows, [256, window).
     #[arg(long, value_name = "EDGES")]
     buckets: Option<BucketEdges>,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
 }
 
 #[derive(Args)]
@@ -228,6 +315,8 @@ struct BenchArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    beta_mon: BetaMonArgs,
     /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
     #[arg(long, value_name = "N", conflicts_with = "resume_from")]
     prefix_cache: Option<usize>,
@@ -237,6 +326,8 @@ struct BenchArgs {
     /// Also time a score call (logits for every prompt position) over the prompt.
     #[arg(long)]
     score: bool,
+    #[command(flatten)]
+    ctx_tier: CtxTierArgs,
 }
 
 #[derive(Parser)]
@@ -647,6 +738,8 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         loops: args.common.loops,
         sampling: args.sampling.params(),
         stop_tokens: Vec::new(),
+        ctx_tier: args.ctx_tier.policy()?,
+        beta_monitor: args.beta_mon.monitor(),
     };
     let mut session = model.new_session()?;
     let speculation = args.speculation.speculation();
@@ -661,6 +754,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         let tokens = run(&mut session, &mut |_| true)?;
         let text = byte_level.then(|| decode_bytes(&tokens));
         let stats = stats_json(&session.last_generate_stats(), speculation.is_some());
+        print_beta_mon(&session.last_generate_stats());
         println!(
             "{}",
             json!({"tokens": tokens, "text": text, "stats": stats})
@@ -692,6 +786,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         .write_all(String::from_utf8_lossy(&pending).as_bytes())
         .ok();
     writeln!(stdout).ok();
+    print_beta_mon(&session.last_generate_stats());
     if !args.common.quiet {
         let stats = session.last_generate_stats();
         eprint!("[tinyloop] generated {} tokens", tokens.len());
@@ -709,7 +804,20 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// A call's statistics as JSON (the speculative fields only for speculative calls).
+/// BETA-MON's summary line (and agreement warning) of a call monitored because of
+/// `--beta-monitor`, unless `TINYLOOP_BETA_MONITOR=1` made the library print it already.
+fn print_beta_mon(stats: &GenerateStats) {
+    let printed = BetaMonEnv::from_env().is_ok_and(|env| env.enabled);
+    if let Some(summary) = stats.beta_mon.filter(|_| !printed) {
+        eprintln!("{}", summary.line());
+        if let Some(warning) = summary.agreement_warning() {
+            eprintln!("{warning}");
+        }
+    }
+}
+
+/// A call's statistics as JSON (the speculative fields only for speculative calls; `beta_mon`
+/// for monitored calls).
 fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
     let mut out = json!({
         "tokens": stats.tokens,
@@ -722,7 +830,28 @@ fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
         out["acceptance_rate"] = json!(stats.acceptance_rate());
         out["agreement"] = json!(stats.agreement());
     }
+    if let Some(tier) = &stats.ctx_tier {
+        out["ctx_tier"] = ctx_tier_json(tier);
+    }
+    if let Some(summary) = &stats.beta_mon {
+        out["beta_mon"] = summary.to_json();
+    }
     out
+}
+
+/// What CTX-TIER observed in a call, as JSON.
+fn ctx_tier_json(t: &CtxTierStats) -> serde_json::Value {
+    json!({
+        "observations": t.observations,
+        "short_steps": t.short_steps,
+        "long_steps": t.long_steps,
+        "transitions": t.transitions,
+        "last_seq_len": t.last_seq_len,
+        "elapsed_ms": t.elapsed_ms,
+        "apply_ms": t.apply_ms,
+        "freed_bytes": t.freed_bytes,
+        "tier": t.tier.to_string(),
+    })
 }
 
 /// `lens` (`trajectory` false) or `trajectory`.
@@ -825,8 +954,14 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
     if args.window < 2 {
         return Err(Error::InvalidArgument("--window must be >= 2".into()));
     }
+    let policy = args.ctx_tier.policy()?;
+    let chunk = args.common.prefill_chunk;
+    // Windows run in steps of --prefill-chunk tokens when that is shorter, and under a tier
+    // policy always step by step (the tier is observed before each step).
+    let stepwise = policy.is_some() || (chunk > 0 && chunk < args.window);
     let mut session = model.new_session()?;
     let (mut nll, mut count) = (0f64, 0usize);
+    let (mut short_steps, mut long_steps, mut transitions) = (0, 0, 0);
     let windows = tokens.chunks(args.window);
     let mut buckets = args
         .buckets
@@ -838,7 +973,17 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         if window.len() < 2 {
             continue;
         }
-        let logprobs = session.logprobs(window, args.common.loops)?;
+        let logprobs = if stepwise {
+            let lp = session.logprobs_with(window, args.common.loops, policy.as_ref())?;
+            if let Some(t) = session.last_ctx_tier_stats() {
+                (short_steps, long_steps) =
+                    (short_steps + t.short_steps, long_steps + t.long_steps);
+                transitions += t.transitions;
+            }
+            lp
+        } else {
+            session.logprobs(window, args.common.loops)?
+        };
         nll -= logprobs.iter().map(|&l| l as f64).sum::<f64>();
         count += logprobs.len();
         if let Some(buckets) = &mut buckets {
@@ -857,6 +1002,16 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         let mut report = json!({"nll": mean, "ppl": mean.exp(), "tokens": count, "loops": loops});
         if let Some(buckets) = &buckets {
             report["buckets"] = buckets.to_json();
+        }
+        if let Some(p) = &policy {
+            report["ctx_tier"] = json!({
+                "short_t": p.short_t,
+                "long_t": p.long_t,
+                "long_bits": p.long_bits,
+                "short_steps": short_steps,
+                "long_steps": long_steps,
+                "transitions": transitions,
+            });
         }
         println!("{report}");
     } else {
@@ -932,6 +1087,8 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         max_tokens: args.gen_len,
         loops: common.loops,
         sampling: args.sampling.params(),
+        ctx_tier: args.ctx_tier.policy()?,
+        beta_monitor: args.beta_mon.monitor(),
         ..GenerateParams::default()
     };
     let speculation = args.speculation.speculation();
@@ -1027,6 +1184,8 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "decode_ms_per_token": decode_ms,
         "decode_tokens_per_s": 1e3 / decode_ms,
         "memory_mb": model.memory_bytes() as f64 / 1e6,
+        "weight_mb_at_load": model.info().weight_bytes as f64 / 1e6,
+        "weight_mb": model.weight_bytes() as f64 / 1e6,
         "kv_mode": session.kv_mode().to_string(),
         "kv_mb": session.kv_bytes() as f64 / 1e6,
         "max_seq_len": common.max_seq_len,
@@ -1042,15 +1201,21 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "draft_reuse": speculation.map(|s| s.reuse),
         "prefix_cache": args.prefix_cache,
         "resume_from": args.resume_from,
+        "beta_monitor": args.beta_mon.beta_monitor,
         "stats": stats_json(&session.last_generate_stats(), speculation.is_some()),
     });
     if common.json {
         println!("{report}");
     } else {
         println!(
-            "device {}  loops {loops}  kv {}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB (KV cache {:.1} MB for {} tokens)",
+            "device {}  loops {loops}  kv {}{}\n  load            {load_ms:>10.1} ms (again in-process {reload_ms:.1} ms)\n  prefill ({:>4} tok) {:>7.1} tok/s\n  decode          {decode_ms:>10.3} ms/token ({:.1} tok/s)\n  memory          {:>10.1} MB (KV cache {:.1} MB for {} tokens)",
             model.info().device,
             session.kv_mode(),
+            if args.beta_mon.beta_monitor {
+                "  beta-mon on"
+            } else {
+                ""
+            },
             args.prompt_len,
             args.prompt_len as f64 / prefill_ms * 1e3,
             1e3 / decode_ms,

@@ -9,8 +9,9 @@ use rayon::prelude::*;
 
 use crate::alloc;
 use crate::backend::cpu::{dot, CpuBackend, CpuLinear, CpuStep};
-use crate::backend::{Backend, HostLinear, NormLayer, StepInput};
+use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
@@ -153,6 +154,21 @@ impl Backend for CaptureBackend {
         CpuBackend.linear_bytes(&w.inner)
     }
 
+    fn linear_dtype(&self, w: &CaptureLinear) -> DType {
+        w.inner.dtype()
+    }
+
+    fn requantize_linear(&self, w: &CaptureLinear, dtype: DType) -> Result<CaptureLinear> {
+        Ok(CaptureLinear {
+            inner: CpuBackend.requantize_linear(&w.inner, dtype)?,
+            hessian: Mutex::new(Hessian::new(w.inner.cols())?),
+        })
+    }
+
+    fn download_linear(&self, w: &CaptureLinear) -> Result<OwnedLinear> {
+        CpuBackend.download_linear(&w.inner)
+    }
+
     fn kv_bytes(&self, kv: &Vec<u8>) -> usize {
         CpuBackend.kv_bytes(kv)
     }
@@ -262,5 +278,17 @@ impl Backend for CaptureBackend {
 
     fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
         CpuBackend.chosen_tokens(step, rows)
+    }
+
+    fn entropy_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        CpuBackend.entropy_rows(logits, rows, len, step)
+    }
+
+    fn chosen_measured(&self, step: &CpuStep) -> Result<(u32, f32)> {
+        CpuBackend.chosen_measured(step)
+    }
+
+    fn entropies(&self, step: &CpuStep, rows: usize) -> Result<Vec<f32>> {
+        CpuBackend.entropies(step, rows)
     }
 }

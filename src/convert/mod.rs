@@ -20,7 +20,9 @@ use crate::format::{map_file, DType, FileWriter, ModelFile};
 use crate::kv::{KvLayout, KvMode};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{forward, Buffers};
-use crate::model::layout::{block_name, blocks, expected_tensors, TensorRole, BLOCK_LINEARS};
+use crate::model::layout::{
+    block_name, blocks, expected_tensors, Stage, TensorRole, BLOCK_LINEARS,
+};
 use crate::model::quant::{group_size_for, quantize_rtn, LinearData, QuantizedMatrix};
 use crate::model::weights::Weights;
 use capture::CaptureBackend;
@@ -291,7 +293,11 @@ fn calibrate(
     let backend = CaptureBackend;
     let weights = Weights::load(&backend, &file, window)?;
     let layout = KvLayout::new(config, KvMode::Fp16, window)?;
-    let mut buffers = Buffers::new(&backend, config, window, layout)?;
+    let body = weights
+        .body
+        .loaded()
+        .expect("a freshly loaded model holds its loop body");
+    let mut buffers = Buffers::new(&backend, config, window, layout, body.clone())?;
     let never = AtomicBool::new(false);
     let loops = opts.calibration_loops.unwrap_or(config.default_loops);
     let windows: Vec<&[u32]> = opts.calibration.chunks(window).collect();
@@ -314,15 +320,15 @@ fn calibrate(
     progress.finish();
 
     let mut out = HashMap::new();
-    for (block, (stage, index)) in weights.blocks.iter().zip(blocks(config)) {
+    let (mut unshared, mut looped) = (weights.unshared.iter(), body.blocks.iter());
+    for (stage, index) in blocks(config) {
         let name = block_name(stage, index);
-        let linears = [
-            &block.attn_qkv,
-            &block.attn_out,
-            &block.mlp_gate,
-            &block.mlp_up,
-            &block.mlp_down,
-        ];
+        let block = match stage {
+            Stage::Loop => looped.next(),
+            Stage::Pre | Stage::Post => unshared.next(),
+        }
+        .expect("one set of linears per block");
+        let linears = block.all();
         for (linear, suffix) in linears.into_iter().zip(BLOCK_LINEARS) {
             let h = linear
                 .hessian

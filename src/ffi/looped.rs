@@ -361,7 +361,8 @@ unsafe fn params_without_prefix(
 /// What the last successful generation call on the model's default session did (any of the
 /// generate, speculative and resume functions): tokens returned, prefill and decode times, and
 /// for speculative calls the drafted and accepted tokens, the acceptance rate and the draft /
-/// verify argmax agreement. All zero before the first one. The caller sets
+/// verify argmax agreement; for monitored calls the BETA-MON summary (`beta_mon` true). All zero
+/// before the first one. The caller sets
 /// `out->struct_size = sizeof(tl_generate_stats)` first.
 ///
 /// Ownership: the caller owns `*out`. Threads: any thread; `TL_ERR_BUSY` while a call is
@@ -407,7 +408,14 @@ unsafe fn last_generate_stats(
             non_null(out, "out")?;
             let stats = tl_generate_stats::new(&s.last_generate_stats());
             // SAFETY: non-NULL; valid for its struct_size bytes by the caller's contract.
-            unsafe { write_versioned(out, stats, &[], "tl_generate_stats") }
+            unsafe {
+                write_versioned(
+                    out,
+                    stats,
+                    &tl_generate_stats::earlier_sizes(),
+                    "tl_generate_stats",
+                )
+            }
         })
     })
 }

@@ -377,6 +377,8 @@ mod bound;
 pub use bound::*;
 mod looped;
 pub use looped::*;
+mod ctx_tier;
+pub use ctx_tier::*;
 
 #[cfg(test)]
 mod tests {

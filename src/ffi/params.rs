@@ -4,10 +4,11 @@
 use std::ffi::c_char;
 
 use super::bound::tl_prefix_cache;
+use super::ctx_tier::{ctx_tier_arg, tl_ctx_tier_params};
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
 use crate::{
-    Device, GenerateParams, GenerateStats, KvMode, ModelOptions, SamplingParams, Speculation,
-    TrajectoryPoint,
+    BetaMonSummary, BetaMonitor, Device, GenerateParams, GenerateStats, KvMode, ModelOptions,
+    SamplingParams, Speculation, Tier, TrajectoryPoint,
 };
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
@@ -77,6 +78,23 @@ pub struct tl_generate_params {
     /// by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
     /// and their session forms; the other generation functions reject a non-NULL value.
     pub prefix_cache: *const tl_prefix_cache,
+    /// CTX-TIER policy of the call (`tl_ctx_tier_params`, only read during the call). NULL
+    /// (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
+    /// no tiers.
+    pub ctx_tier: *const tl_ctx_tier_params,
+    /// BETA-MON this call with the three thresholds below (docs/ABI.md "BETA-MON"): its summary
+    /// is then in `tl_generate_stats`. false (default): the call is monitored only when the
+    /// environment says so (TINYLOOP_BETA_MONITOR=1, with the TINYLOOP_BETA_MON_* thresholds).
+    pub beta_monitor: bool,
+    /// With `beta_monitor`: entropies below this many bits count in `beta_mon_low_rate`.
+    /// Finite, >= 0 and <= `beta_mon_high_entropy_bits`. Default 0.5.
+    pub beta_mon_low_entropy_bits: f64,
+    /// With `beta_monitor`: entropies above this many bits count in `beta_mon_high_rate`.
+    /// Finite and >= 0. Default 6.0.
+    pub beta_mon_high_entropy_bits: f64,
+    /// With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
+    /// [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
+    pub beta_mon_agreement_floor: f64,
 }
 
 /// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -118,7 +136,7 @@ pub struct tl_trajectory_point {
 /// What the last successful generation call on a model's default session or a session did,
 /// filled by `tl_last_generate_stats`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct tl_generate_stats {
     /// Set to `sizeof(tl_generate_stats)` by the caller before `tl_last_generate_stats`. Fields
     /// may be added at the end in later versions; the size of this struct in any earlier
@@ -139,6 +157,42 @@ pub struct tl_generate_stats {
     /// The share of drafted positions where the draft's argmax equals the verify pass's (0
     /// without drafts).
     pub agreement: f64,
+    /// CTX-TIER (all 0 when the call had no tier policy): steps observed, steps run at each
+    /// tier, transitions, the last observed sequence length.
+    pub ctx_tier_observations: usize,
+    pub ctx_tier_short_steps: usize,
+    pub ctx_tier_long_steps: usize,
+    pub ctx_tier_transitions: usize,
+    pub ctx_tier_last_seq_len: usize,
+    /// Milliseconds from the first observation to the end of the call, and spent making loop
+    /// bodies (re-pack to INT2, upload of INT4 again) at transitions.
+    pub ctx_tier_elapsed_ms: f64,
+    pub ctx_tier_apply_ms: f64,
+    /// Net device bytes the call's transitions freed (negative: allocated).
+    pub ctx_tier_freed_bytes: i64,
+    /// The session's tier at the end of the call: 0 no policy, 1 SHORT, 2 LONG.
+    pub ctx_tier_final: i32,
+    /// The call was BETA-MONitored (docs/ABI.md "BETA-MON"); the `beta_mon_` fields are 0
+    /// otherwise.
+    pub beta_mon: bool,
+    /// Returned tokens, each with the entropy of the distribution it was chosen from.
+    pub beta_mon_n_tokens: usize,
+    /// Mean, population standard deviation, min and max of those entropies, in bits (all 0
+    /// when no token was returned).
+    pub beta_mon_entropy_mean_bits: f64,
+    pub beta_mon_entropy_std_bits: f64,
+    pub beta_mon_entropy_min_bits: f64,
+    pub beta_mon_entropy_max_bits: f64,
+    /// Share of the tokens below `beta_mon_low_entropy_bits`, and above
+    /// `beta_mon_high_entropy_bits`.
+    pub beta_mon_low_rate: f64,
+    pub beta_mon_high_rate: f64,
+    /// The thresholds the call was monitored with.
+    pub beta_mon_low_entropy_bits: f64,
+    pub beta_mon_high_entropy_bits: f64,
+    pub beta_mon_agreement_floor: f64,
+    /// Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
+    pub beta_mon_agreement_below_floor: bool,
 }
 
 /// Static architecture of a model, filled by `tl_model_config`.
@@ -192,6 +246,7 @@ fn default_model_params() -> tl_model_params {
 
 fn default_generate_params() -> tl_generate_params {
     let d = GenerateParams::default();
+    let beta = BetaMonitor::default();
     tl_generate_params {
         struct_size: std::mem::size_of::<tl_generate_params>(),
         max_tokens: saturate(d.max_tokens),
@@ -203,6 +258,11 @@ fn default_generate_params() -> tl_generate_params {
         stop_tokens: std::ptr::null(),
         n_stop_tokens: 0,
         prefix_cache: std::ptr::null(),
+        ctx_tier: std::ptr::null(),
+        beta_monitor: false,
+        beta_mon_low_entropy_bits: beta.low_entropy_bits,
+        beta_mon_high_entropy_bits: beta.high_entropy_bits,
+        beta_mon_agreement_floor: beta.agreement_floor,
     }
 }
 
@@ -231,7 +291,7 @@ fn check_size(found: usize, needed: usize, what: &str) -> FfiResult {
 /// # Safety
 /// `params` must be non-NULL and valid for reads of its `struct_size` bytes; `T` must start
 /// with the `usize` `struct_size`.
-unsafe fn read_versioned<T: Copy>(
+pub(crate) unsafe fn read_versioned<T: Copy>(
     params: *const T,
     defaults: T,
     earlier: &[usize],
@@ -365,13 +425,14 @@ pub(crate) unsafe fn generate_params(
         default_generate_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `prefix_cache`.
+        // header ended before `prefix_cache`, version 2 before `ctx_tier`.
         let v1 = std::mem::offset_of!(tl_generate_params, prefix_cache);
+        let v2 = std::mem::offset_of!(tl_generate_params, ctx_tier);
         unsafe {
             read_versioned(
                 params,
                 default_generate_params(),
-                &[v1],
+                &[v1, v2],
                 "tl_generate_params",
             )
         }?
@@ -398,6 +459,14 @@ pub(crate) unsafe fn generate_params(
             seed: p.seed,
         },
         stop_tokens,
+        // SAFETY: the caller's contract covers the policy it points to.
+        ctx_tier: unsafe { ctx_tier_arg(p.ctx_tier) }?,
+        // Validated by the call, which names the field.
+        beta_monitor: p.beta_monitor.then_some(BetaMonitor {
+            low_entropy_bits: p.beta_mon_low_entropy_bits,
+            high_entropy_bits: p.beta_mon_high_entropy_bits,
+            agreement_floor: p.beta_mon_agreement_floor,
+        }),
     };
     Ok((params, p.prefix_cache))
 }
@@ -444,6 +513,7 @@ impl From<&TrajectoryPoint> for tl_trajectory_point {
 
 impl tl_generate_stats {
     pub(crate) fn new(s: &GenerateStats) -> Self {
+        let t = s.ctx_tier.unwrap_or_default();
         tl_generate_stats {
             struct_size: std::mem::size_of::<tl_generate_stats>(),
             tokens: s.tokens,
@@ -453,7 +523,52 @@ impl tl_generate_stats {
             accepted: s.accepted,
             acceptance_rate: s.acceptance_rate(),
             agreement: s.agreement(),
+            ctx_tier_observations: t.observations,
+            ctx_tier_short_steps: t.short_steps,
+            ctx_tier_long_steps: t.long_steps,
+            ctx_tier_transitions: t.transitions,
+            ctx_tier_last_seq_len: t.last_seq_len,
+            ctx_tier_elapsed_ms: t.elapsed_ms,
+            ctx_tier_apply_ms: t.apply_ms,
+            ctx_tier_freed_bytes: t.freed_bytes,
+            ctx_tier_final: match s.ctx_tier.map(|t| t.tier) {
+                None => 0,
+                Some(Tier::Short) => 1,
+                Some(Tier::Long) => 2,
+            },
+            ..Self::beta_mon(s.beta_mon.as_ref())
         }
+    }
+
+    /// The `beta_mon` fields (the others zero).
+    fn beta_mon(summary: Option<&BetaMonSummary>) -> Self {
+        let zero = tl_generate_stats::default();
+        let Some(b) = summary else {
+            return zero;
+        };
+        tl_generate_stats {
+            beta_mon: true,
+            beta_mon_n_tokens: b.n_tokens,
+            beta_mon_entropy_mean_bits: b.entropy_mean_bits,
+            beta_mon_entropy_std_bits: b.entropy_std_bits,
+            beta_mon_entropy_min_bits: b.entropy_min_bits,
+            beta_mon_entropy_max_bits: b.entropy_max_bits,
+            beta_mon_low_rate: b.low_rate,
+            beta_mon_high_rate: b.high_rate,
+            beta_mon_low_entropy_bits: b.thresholds.low_entropy_bits,
+            beta_mon_high_entropy_bits: b.thresholds.high_entropy_bits,
+            beta_mon_agreement_floor: b.thresholds.agreement_floor,
+            beta_mon_agreement_below_floor: b.agreement_below_floor(),
+            ..zero
+        }
+    }
+
+    /// Sizes of earlier versions of this struct: version 1 ended before the CTX-TIER fields.
+    pub(crate) fn earlier_sizes() -> [usize; 1] {
+        [std::mem::offset_of!(
+            tl_generate_stats,
+            ctx_tier_observations
+        )]
     }
 }
 

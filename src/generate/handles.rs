@@ -188,7 +188,7 @@ pub fn generate_after<B: Backend>(
     let start = cache.len();
     let choice = next_choice(&req.sampling, &mut rng);
     let last = prefill(backend, w, buf, prompt, start, req.loops, choice, cancel)?;
-    let first = first_token(backend, w, buf, last)?;
+    let first = first_token(backend, w, buf, last, out.measures())?;
     decode(
         backend,
         w,
@@ -223,7 +223,7 @@ impl<B: Backend> ResumeHandle<B> {
     ) -> Result<ResumeHandle<B>> {
         refuse_age(&buf.kv.layout, "a resume handle")?;
         let n = prompt.len();
-        stage(backend, buf, super::whole(prompt), loops)?;
+        stage(backend, w, buf, super::whole(prompt), loops)?;
         let mut hidden = backend.alloc_float(loops * n * w.config.dim)?;
         let pre = Span {
             start: true,
@@ -273,7 +273,7 @@ pub fn resume<B: Backend>(
         start_pos: 0,
         choice: next_choice(&req.sampling, &mut rng),
     };
-    stage(backend, buf, input, req.loops)?;
+    stage(backend, w, buf, input, req.loops)?;
     let kept_span = Span {
         start: true,
         first: 1,
@@ -293,7 +293,7 @@ pub fn resume<B: Backend>(
         post: true,
     };
     run(backend, w, buf, n, rest, Some(cancel))?;
-    let first = first_token(backend, w, buf, n - 1)?;
+    let first = first_token(backend, w, buf, n - 1, out.measures())?;
     decode(backend, w, buf, &mut out, first, n, &mut rng)?;
     Ok(out.finish())
 }

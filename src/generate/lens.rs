@@ -30,7 +30,7 @@ pub fn logit_lens<B: Backend>(
 ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
     let (rows, dim, vocab) = (tokens.len(), w.config.dim, w.config.vocab_size);
     let last = rows - 1;
-    stage(backend, buf, whole(tokens), loops)?;
+    stage(backend, w, buf, whole(tokens), loops)?;
     let pre = Span {
         start: true,
         first: 1,

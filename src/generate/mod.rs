@@ -11,12 +11,14 @@ pub mod speculative;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use crate::backend::{Backend, Choice, StepInput};
+use crate::backend::{Backend, Choice, Chosen, StepInput};
+use crate::ctx_tier::CtxTierStats;
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode, LOGIT_ROWS,
+    choose, chosen, decode_step, final_norm, forward, logits, measure, Buffers, Decode, LOGIT_ROWS,
 };
 use crate::model::weights::Weights;
+use crate::telemetry::beta_monitor::{BetaMonSummary, EntropyLog, Monitoring};
 use sampling::{Rng, SamplingParams};
 
 /// Everything a generation call needs besides the prompt.
@@ -27,6 +29,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Generation ends after any of these tokens is produced; the stop token is not returned.
     pub stop_tokens: Vec<u32>,
+    /// BETA-MON: measure the entropy of every returned token's distribution.
+    pub(crate) monitor: Option<Monitoring>,
 }
 
 /// What the last generation call of a session did.
@@ -43,6 +47,10 @@ pub struct GenerateStats {
     pub accepted: usize,
     /// Speculative calls: drafted positions where the draft's argmax equals the verify pass's.
     pub agreed: usize,
+    /// What CTX-TIER observed, when the call had a tier policy.
+    pub ctx_tier: Option<CtxTierStats>,
+    /// Monitored calls: BETA-MON's summary.
+    pub beta_mon: Option<BetaMonSummary>,
 }
 
 impl GenerateStats {
@@ -75,6 +83,7 @@ pub(crate) struct Output<'a> {
     pub done: bool,
     start: Instant,
     pub stats: GenerateStats,
+    entropy: Option<EntropyLog>,
 }
 
 impl<'a> Output<'a> {
@@ -91,11 +100,18 @@ impl<'a> Output<'a> {
             done: false,
             start: Instant::now(),
             stats: GenerateStats::default(),
+            entropy: req.monitor.map(EntropyLog::new),
         }
     }
 
+    /// Whether chosen tokens must come with their entropy (BETA-MON).
+    pub fn measures(&self) -> bool {
+        self.entropy.is_some()
+    }
+
     /// Take the next token; false once generation has ended (then later tokens are dropped).
-    pub fn push(&mut self, token: u32) -> Result<bool> {
+    pub fn push(&mut self, next: Chosen) -> Result<bool> {
+        let token = next.token;
         if self.done {
             return Ok(false);
         }
@@ -108,6 +124,14 @@ impl<'a> Output<'a> {
         if self.req.stop_tokens.contains(&token) {
             self.done = true;
             return Ok(false);
+        }
+        if let Some(log) = &mut self.entropy {
+            let bits = next.entropy_bits;
+            debug_assert!(
+                bits.is_some(),
+                "a monitored call's token came without its entropy"
+            );
+            log.record(token, bits.unwrap_or(f32::NAN));
         }
         self.tokens.push(token);
         if !(self.on_token)(token) || self.tokens.len() == self.req.max_tokens {
@@ -126,6 +150,8 @@ impl<'a> Output<'a> {
         let total = self.start.elapsed().as_secs_f64() * 1e3;
         self.stats.tokens = self.tokens.len();
         self.stats.decode_ms = (total - self.stats.prefill_ms).max(0.0);
+        let (drafted, agreed) = (self.stats.drafted, self.stats.agreed);
+        self.stats.beta_mon = self.entropy.map(|log| log.summary(drafted, agreed));
         (self.tokens, self.stats)
     }
 }
@@ -173,17 +199,22 @@ pub(crate) fn next_choice(params: &SamplingParams, rng: &mut Rng) -> Choice {
     }
 }
 
-/// Choose the first token from the final-normed row `row` of the last staged step.
+/// Choose the first token from the final-normed row `row` of the last staged step (with its
+/// entropy when `entropy`).
 pub(crate) fn first_token<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     row: usize,
-) -> Result<u32> {
+    entropy: bool,
+) -> Result<Chosen> {
     final_norm(backend, w, buf, row + 1);
     logits(backend, w, buf, row, 1);
     choose(backend, w, buf);
-    chosen_token(backend, buf)
+    if entropy {
+        measure(backend, w, buf, 1);
+    }
+    chosen(backend, buf, entropy)
 }
 
 /// Plain decoding: feed `next` at `pos`, take the chosen token, until the output ends.
@@ -192,20 +223,21 @@ pub(crate) fn decode<B: Backend>(
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     out: &mut Output,
-    mut next: u32,
+    mut next: Chosen,
     mut pos: usize,
     rng: &mut Rng,
 ) -> Result<()> {
-    let (loops, sampling) = (out.req.loops, out.req.sampling);
+    let (sampling, entropy) = (out.req.sampling, out.measures());
+    let step = Decode::plain(out.req.loops).measured(entropy);
     while out.push(next)? {
         let input = StepInput {
-            tokens: &[next],
+            tokens: &[next.token],
             start_pos: pos,
             choice: next_choice(&sampling, rng),
         };
-        decode_step(backend, w, buf, input, Decode::plain(loops))?;
+        decode_step(backend, w, buf, input, step)?;
         pos += 1;
-        next = chosen_token(backend, buf)?;
+        next = chosen(backend, buf, entropy)?;
     }
     Ok(())
 }
@@ -238,7 +270,7 @@ pub fn generate<B: Backend>(
     let mut out = Output::new(req, cancel, on_token);
     let choice = next_choice(&req.sampling, &mut rng);
     let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
-    let first = first_token(backend, w, buf, last)?;
+    let first = first_token(backend, w, buf, last, out.measures())?;
     decode(backend, w, buf, &mut out, first, prompt.len(), &mut rng)?;
     Ok(out.finish())
 }
@@ -281,6 +313,41 @@ pub fn score_last<B: Backend>(
     finite(backend.read_float(&buf.logits, 0, w.config.vocab_size)?)
 }
 
+/// `log p(tokens[i + 1] | tokens[..=i])` for `i < n − 1`, running `tokens` in steps of at most
+/// `buf.max_rows` rows (each step attends to the KV of the earlier ones).
+pub fn logprobs_chunked<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    loops: usize,
+    cancel: &AtomicBool,
+) -> Result<Vec<f32>> {
+    let (vocab, n, step) = (w.config.vocab_size, tokens.len(), buf.max_rows);
+    let mut out = Vec::with_capacity(n - 1);
+    for (i, chunk) in tokens.chunks(step).enumerate() {
+        let start_pos = i * step;
+        let input = StepInput {
+            tokens: chunk,
+            start_pos,
+            choice: Choice::Greedy,
+        };
+        forward(backend, w, buf, input, loops, cancel)?;
+        final_norm(backend, w, buf, chunk.len());
+        for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
+            let rows = LOGIT_ROWS.min(chunk.len() - first);
+            logits(backend, w, buf, first, rows);
+            let values = finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?;
+            for (r, row) in values.chunks_exact(vocab).enumerate() {
+                if let Some(&next) = tokens.get(start_pos + first + r + 1) {
+                    out.push(logprob(row, next));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// `tokens` as one greedy step from position 0.
 pub(crate) fn whole(tokens: &[u32]) -> StepInput<'_> {
     StepInput {
@@ -295,16 +362,18 @@ pub fn logprobs_from_logits(logits: &[f32], tokens: &[u32], vocab: usize) -> Vec
     tokens
         .windows(2)
         .enumerate()
-        .map(|(i, pair)| {
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = row
-                .iter()
-                .map(|&v| (v as f64 - max).exp())
-                .sum::<f64>()
-                .ln()
-                + max;
-            (row[pair[1] as usize] as f64 - lse) as f32
-        })
+        .map(|(i, pair)| logprob(&logits[i * vocab..(i + 1) * vocab], pair[1]))
         .collect()
+}
+
+/// `log softmax(row)[token]`, in f64.
+fn logprob(row: &[f32], token: u32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = row
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    (row[token as usize] as f64 - lse) as f32
 }

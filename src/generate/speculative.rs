@@ -25,10 +25,11 @@ use std::sync::atomic::AtomicBool;
 
 use super::sampling::{self, Rng};
 use super::{decode, first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
-use crate::backend::{Backend, Choice, StepInput};
+use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    argmax_rows, chosen_token, decode_step, verify_step, Buffers, Decode, HIDDEN_ROWS,
+    argmax_rows, chosen, chosen_token, decode_step, entropies, measure, verify_step, Buffers,
+    Decode, HIDDEN_ROWS,
 };
 use crate::model::weights::Weights;
 
@@ -81,9 +82,10 @@ pub fn generate<B: Backend>(
     spec.validate(req.loops)?;
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Output::new(req, cancel, on_token);
+    let entropy = out.measures();
     let choice = next_choice(&req.sampling, &mut rng);
     let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
-    let mut next = first_token(backend, w, buf, last)?;
+    let mut next = first_token(backend, w, buf, last, entropy)?;
     let mut pos = prompt.len();
     let capacity = buf.kv.layout.capacity;
     while out.push(next)? {
@@ -94,9 +96,11 @@ pub fn generate<B: Backend>(
             .min(capacity.saturating_sub(pos + 1));
         if k == 0 {
             // Too close to an end for a draft: one plain step finishes the call.
-            return decode_rest(backend, w, buf, out, next, pos, &mut rng);
+            return decode_rest(backend, w, buf, out, next.token, pos, &mut rng);
         }
-        let round = round(backend, w, buf, req, spec, next, pos, k, &mut rng)?;
+        let round = round(
+            backend, w, buf, req, spec, next.token, pos, k, entropy, &mut rng,
+        )?;
         let stats = &mut out.stats;
         stats.drafted += k;
         stats.accepted += round.accepted;
@@ -129,20 +133,24 @@ fn decode_rest<B: Backend>(
         start_pos: pos,
         choice: next_choice(&out.req.sampling, rng),
     };
-    decode_step(backend, w, buf, input, Decode::plain(out.req.loops))?;
-    let following = chosen_token(backend, buf)?;
+    let entropy = out.measures();
+    let step = Decode::plain(out.req.loops).measured(entropy);
+    decode_step(backend, w, buf, input, step)?;
+    let following = chosen(backend, buf, entropy)?;
     decode(backend, w, buf, &mut out, following, pos + 1, rng)?;
     Ok(out.finish())
 }
 
-/// What one round decided: the accepted drafts followed by the verify pass's token.
+/// What one round decided: the accepted drafts followed by the verify pass's token, each with the
+/// entropy of its verify row when measured.
 struct Round {
-    tokens: Vec<u32>,
+    tokens: Vec<Chosen>,
     accepted: usize,
     agreed: usize,
 }
 
-/// Draft `k` tokens after `t` (at `pos`) and verify them.
+/// Draft `k` tokens after `t` (at `pos`) and verify them; with `entropy`, measure the verify
+/// rows' entropies.
 #[allow(clippy::too_many_arguments)]
 fn round<B: Backend>(
     backend: &B,
@@ -153,6 +161,7 @@ fn round<B: Backend>(
     t: u32,
     pos: usize,
     k: usize,
+    entropy: bool,
     rng: &mut Rng,
 ) -> Result<Round> {
     let vocab = w.config.vocab_size;
@@ -170,6 +179,7 @@ fn round<B: Backend>(
             loops: spec.draft_loops,
             hidden_row: spec.reuse.then_some(j),
             head: true,
+            entropy: false,
         };
         decode_step(backend, w, buf, input, decode)?;
         if !sampling.is_greedy() {
@@ -188,6 +198,7 @@ fn round<B: Backend>(
             loops: spec.draft_loops,
             hidden_row: Some(k),
             head: false,
+            entropy: false,
         };
         decode_step(backend, w, buf, input, decode)?;
     }
@@ -206,16 +217,26 @@ fn round<B: Backend>(
         spec.reuse,
     )?;
     let drafts = &inputs[1..];
+    if entropy {
+        measure(backend, w, buf, k + 1);
+    }
+    // The token taken from verify row j, with that row's entropy.
+    let chosen_at = |bits: &[Option<f32>], j: usize, token: u32| Chosen {
+        token,
+        entropy_bits: bits[j],
+    };
     if sampling.is_greedy() {
         let verified = argmax_rows(backend, w, buf, k + 1)?;
+        let bits = verify_entropies(backend, buf, entropy, k + 1)?;
         let accepted = drafts
             .iter()
             .zip(&verified)
             .take_while(|(d, v)| d == v)
             .count();
         let agreed = drafts.iter().zip(&verified).filter(|(d, v)| d == v).count();
-        let mut tokens = drafts[..accepted].to_vec();
-        tokens.push(verified[accepted]);
+        let tokens = (0..=accepted)
+            .map(|j| chosen_at(&bits, j, verified[j]))
+            .collect();
         return Ok(Round {
             tokens,
             accepted,
@@ -223,6 +244,7 @@ fn round<B: Backend>(
         });
     }
     let rows = backend.read_float(&buf.logits, 0, (k + 1) * vocab)?;
+    let bits = verify_entropies(backend, buf, entropy, k + 1)?;
     let verified: Vec<&[f32]> = rows.chunks_exact(vocab).collect();
     let agreed = draft_logits
         .iter()
@@ -235,23 +257,40 @@ fn round<B: Backend>(
         let q = sampling::distribution(&draft_logits[j], &sampling);
         let (pd, qd) = (p[d as usize], q[d as usize]);
         if qd > 0.0 && rng.next_f64() * qd < pd {
-            tokens.push(d);
+            tokens.push(chosen_at(&bits, j, d));
             continue;
         }
         let residual: Vec<f64> = p.iter().zip(&q).map(|(a, b)| (a - b).max(0.0)).collect();
-        tokens.push(draw(&residual, rng));
+        tokens.push(chosen_at(&bits, j, draw(&residual, rng)));
         return Ok(Round {
             accepted: j,
             agreed,
             tokens,
         });
     }
-    tokens.push(draw(&sampling::distribution(verified[k], &sampling), rng));
+    let bonus = draw(&sampling::distribution(verified[k], &sampling), rng);
+    tokens.push(chosen_at(&bits, k, bonus));
     Ok(Round {
         accepted: k,
         agreed,
         tokens,
     })
+}
+
+/// The entropies of verify rows `0..rows` when they were measured, else `None` for each.
+fn verify_entropies<B: Backend>(
+    backend: &B,
+    buf: &Buffers<B>,
+    entropy: bool,
+    rows: usize,
+) -> Result<Vec<Option<f32>>> {
+    if !entropy {
+        return Ok(vec![None; rows]);
+    }
+    Ok(entropies(backend, buf, rows)?
+        .into_iter()
+        .map(Some)
+        .collect())
 }
 
 /// A token drawn from unnormalized non-negative `weights` (the argmax when they sum to 0).

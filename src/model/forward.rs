@@ -6,13 +6,16 @@
 //! loop iteration i never depends on the total L.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
-use crate::backend::{Backend, NormLayer, StepInput};
+use crate::backend::{Backend, Chosen, NormLayer, StepInput};
+use crate::ctx_tier::{Tier, TierTracker};
 use crate::error::{Error, Result};
 use crate::kv::{Application, KvCache, KvLayout, KvSlot};
+use crate::model::body::{LoopBody, Made};
 use crate::model::config::ModelConfig;
 use crate::model::layout::Stage;
-use crate::model::weights::{BlockWeights, Head, Norm, Weights};
+use crate::model::weights::{Block, Head, Norm, Weights};
 
 /// Logit rows computed per head call; bounds the logits buffer at `LOGIT_ROWS × vocab`.
 pub const LOGIT_ROWS: usize = 16;
@@ -110,6 +113,10 @@ pub struct Buffers<B: Backend> {
     step: B::Step,
     /// Slots are added as calls need them (more loop iterations), keeping what they hold.
     pub kv: KvCache<B::KvStorage>,
+    /// The loop body the session runs, its tier, and the session's tier policy (CTX-TIER).
+    pub body: Arc<LoopBody<B>>,
+    body_tier: Tier,
+    pub tier: TierTracker,
     /// Bytes held by the buffers above, KV cache excluded.
     pub bytes: usize,
 }
@@ -121,7 +128,15 @@ fn elements(a: usize, b: usize, what: &str) -> Result<usize> {
 }
 
 impl<B: Backend> Buffers<B> {
-    pub fn new(backend: &B, config: &ModelConfig, max_rows: usize, kv: KvLayout) -> Result<Self> {
+    /// Buffers for steps of up to `max_rows` rows, running the loop body `body` (the SHORT
+    /// tier's).
+    pub fn new(
+        backend: &B,
+        config: &ModelConfig,
+        max_rows: usize,
+        kv: KvLayout,
+        body: Arc<LoopBody<B>>,
+    ) -> Result<Self> {
         let (d, f, r) = (config.dim, config.ffn_dim, config.embed_factor_dim);
         let wide = d.max(r);
         let rows = |width: usize| elements(width, max_rows, "step buffers");
@@ -152,6 +167,9 @@ impl<B: Backend> Buffers<B> {
                 slots: 0,
                 bounds: Default::default(),
             },
+            body,
+            body_tier: Tier::Short,
+            tier: TierTracker::default(),
             bytes,
         })
     }
@@ -193,14 +211,16 @@ pub fn forward<B: Backend>(
     cancel: &AtomicBool,
 ) -> Result<()> {
     let rows = input.tokens.len();
-    stage(backend, buf, input, loops)?;
+    stage(backend, w, buf, input, loops)?;
     run(backend, w, buf, rows, Span::all(loops), Some(cancel))
 }
 
-/// Validate a step of up to `loops` iterations, make room in the KV cache (and move entries that
-/// changed age tier), and stage its tokens, position and tier bounds. Then [`run`] its spans.
+/// Validate a step of up to `loops` iterations, observe its sequence length (CTX-TIER: the loop
+/// body may change precision), make room in the KV cache (and move entries that changed age
+/// tier), and stage its tokens, position and tier bounds. Then [`run`] its spans.
 pub fn stage<B: Backend>(
     backend: &B,
+    w: &Weights<B>,
     buf: &mut Buffers<B>,
     input: StepInput,
     loops: usize,
@@ -219,11 +239,41 @@ pub fn stage<B: Backend>(
             buf.kv.layout.capacity
         )));
     }
+    let tier = buf.tier.observe(end);
+    follow_tier(backend, w, buf, tier)?;
     buf.reserve_kv(backend, buf.kv.layout.slots(loops))?;
     for mv in buf.kv.advance_tiers(input.start_pos, end) {
         backend.kv_move(&mut buf.kv, &mv);
     }
     backend.set_step(&mut buf.step, input, buf.kv.bounds)
+}
+
+/// Make the session's loop body the one of `tier`: take it from the model (made if no session
+/// holds it), let go of the old one, and free what no session needs any more. Captured graphs
+/// point at the old weights, so they are dropped.
+fn follow_tier<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tier: Tier,
+) -> Result<()> {
+    if tier == buf.body_tier {
+        return Ok(());
+    }
+    // Work issued with the old body must be complete before its memory may be released.
+    backend.synchronize()?;
+    let before = w.body.live_bytes() as i64;
+    let (body, made) = w.body.acquire(backend, tier)?;
+    (buf.body, buf.body_tier) = (body, tier);
+    w.body.release_unused(backend, None)?;
+    backend.graph_reset(&mut buf.step);
+    let freed = before - w.body.live_bytes() as i64;
+    let (weights, ms) = match made {
+        Made::Nothing => (0, 0.0),
+        Made::Repacked { weights, ms } | Made::Restored { weights, ms } => (weights, ms),
+    };
+    buf.tier.applied(tier, weights, ms, freed);
+    Ok(())
 }
 
 /// The block applications of `span` for the `rows` staged rows (the embedding first when the
@@ -245,12 +295,21 @@ pub fn run<B: Backend>(
             }
         }
     }
+    let body = buf.body.clone();
     for app in span.applications(&w.config) {
         if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
             return Err(Error::Cancelled);
         }
         let at = buf.kv.layout.at(app);
-        block_forward(backend, &w.config, w.block(app), &w.rope, buf, rows, at);
+        block_forward(
+            backend,
+            &w.config,
+            w.block(app, &body),
+            &w.rope,
+            buf,
+            rows,
+            at,
+        );
     }
     Ok(())
 }
@@ -289,6 +348,8 @@ pub struct Decode {
     pub hidden_row: Option<usize>,
     /// Run the post blocks and the head and choose the next token (false: stop after saving).
     pub head: bool,
+    /// With the head: also measure the entropy of the logits (BETA-MON).
+    pub entropy: bool,
 }
 
 impl Decode {
@@ -298,13 +359,23 @@ impl Decode {
             loops,
             hidden_row: None,
             head: true,
+            entropy: false,
         }
+    }
+
+    /// This step, measuring the entropy of its logits when `entropy`.
+    pub fn measured(self, entropy: bool) -> Decode {
+        Decode { entropy, ..self }
     }
 
     /// Distinct for every distinct sequence of ops (the key of a captured graph).
     fn key(&self, sample: bool) -> u64 {
         let row = self.hidden_row.map_or(0, |r| r as u64 + 1);
-        (self.loops as u64) << 8 | row << 2 | (self.head as u64) << 1 | sample as u64
+        (self.loops as u64) << 9
+            | (self.entropy as u64) << 8
+            | row << 2
+            | (self.head as u64) << 1
+            | sample as u64
     }
 }
 
@@ -325,7 +396,7 @@ pub fn decode_step<B: Backend>(
     debug_assert_eq!(input.tokens.len(), 1);
     // Validation, KV reservation, tier moves and staging happen outside any graph.
     let key = decode.key(input.choice.is_sample());
-    stage(backend, buf, input, decode.loops)?;
+    stage(backend, w, buf, input, decode.loops)?;
     let capturable = buf.kv.layout.mode.graph_capturable();
     if capturable && backend.graph_replay(&mut buf.step, key)? {
         return Ok(());
@@ -345,6 +416,9 @@ pub fn decode_step<B: Backend>(
         final_norm(backend, w, buf, 1);
         logits(backend, w, buf, 0, 1);
         choose(backend, w, buf);
+        if decode.entropy {
+            measure(backend, w, buf, 1);
+        }
     }
     if capturing {
         backend.graph_end(&mut buf.step, key)?;
@@ -372,7 +446,7 @@ pub fn verify_step<B: Backend>(
             "a verify step of {rows} rows (at most {HIDDEN_ROWS})"
         )));
     }
-    stage(backend, buf, input, loops)?;
+    stage(backend, w, buf, input, loops)?;
     let span = if reuse {
         let width = buf.width();
         backend.copy_rows(&buf.hidden, 0, &mut buf.x, 0, rows, width);
@@ -412,27 +486,56 @@ pub fn chosen_token<B: Backend>(backend: &B, buf: &Buffers<B>) -> Result<u32> {
     backend.chosen_token(&buf.step)
 }
 
+/// Measure the entropy of each of logits rows `0..rows` (BETA-MON); read them with [`chosen`]
+/// (row 0) or [`entropies`].
+pub fn measure<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    backend.entropy_rows(&buf.logits, rows, w.config.vocab_size, &mut buf.step);
+}
+
+/// The token chosen by the last [`decode_step`] or [`choose`], with the entropy of its logits
+/// when `entropy` (the step measured it); one read from the device either way.
+pub fn chosen<B: Backend>(backend: &B, buf: &Buffers<B>, entropy: bool) -> Result<Chosen> {
+    if entropy {
+        let (token, bits) = backend.chosen_measured(&buf.step)?;
+        Ok(Chosen {
+            token,
+            entropy_bits: Some(bits),
+        })
+    } else {
+        Ok(Chosen {
+            token: backend.chosen_token(&buf.step)?,
+            entropy_bits: None,
+        })
+    }
+}
+
+/// The entropies of the last [`measure`] (waits for the device).
+pub fn entropies<B: Backend>(backend: &B, buf: &Buffers<B>, rows: usize) -> Result<Vec<f32>> {
+    backend.entropies(&buf.step, rows)
+}
+
 fn block_forward<B: Backend>(
     backend: &B,
     config: &ModelConfig,
-    block: &BlockWeights<B>,
+    block: Block<'_, B>,
     rope: &B::Float,
     buf: &mut Buffers<B>,
     rows: usize,
     at: KvSlot,
 ) {
     // Attention: x += attn_out · attention(rope(qkv · norm(x)))
-    let attn_norm = norm_layer(config, &block.attn_norm);
+    let (norms, linears) = (block.norms, block.linears);
+    let attn_norm = norm_layer(config, &norms.attn_norm);
     if buf.kv.layout.mode.stores_input() {
         // The cache keeps h itself, so h must exist (not be fused into the product).
         backend.norm(&attn_norm, &buf.x, rows, &mut buf.h);
-        backend.linear(&buf.h, 0, rows, &block.attn_qkv, &mut buf.qkv, false);
+        backend.linear(&buf.h, 0, rows, &linears.attn_qkv, &mut buf.qkv, false);
     } else {
         backend.norm_linear(
             &attn_norm,
             &buf.x,
             rows,
-            &block.attn_qkv,
+            &linears.attn_qkv,
             &mut buf.h,
             &mut buf.qkv,
         );
@@ -445,24 +548,24 @@ fn block_forward<B: Backend>(
         rope,
         &mut buf.kv,
         at,
-        &block.attn_qkv,
+        &linears.attn_qkv,
         &mut buf.att,
     );
-    backend.linear(&buf.att, 0, rows, &block.attn_out, &mut buf.x, true);
+    backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.x, true);
 
     // MLP: x += mlp_down · (silu(mlp_gate · norm(x)) * (mlp_up · norm(x)))
-    let mlp_norm = norm_layer(config, &block.mlp_norm);
+    let mlp_norm = norm_layer(config, &norms.mlp_norm);
     backend.norm_mlp_gate_up(
         &mlp_norm,
         &buf.x,
         rows,
-        &block.mlp_gate,
-        &block.mlp_up,
+        &linears.mlp_gate,
+        &linears.mlp_up,
         &mut buf.h,
         (&mut buf.gate, &mut buf.up),
         &mut buf.act,
     );
-    backend.linear(&buf.act, 0, rows, &block.mlp_down, &mut buf.x, true);
+    backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.x, true);
 }
 
 fn norm_layer<'a, B: Backend>(config: &ModelConfig, n: &'a Norm<B>) -> NormLayer<'a, B::Vector> {

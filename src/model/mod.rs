@@ -1,5 +1,6 @@
 //! The model family: architecture, tensor layout, quantization, weights and the forward pass.
 
+pub mod body;
 pub mod config;
 pub mod flops;
 pub mod forward;

@@ -4,6 +4,7 @@ use crate::backend::{rope_table, Backend, HostLinear};
 use crate::error::{Error, Result};
 use crate::format::{DType, ModelFile};
 use crate::kv::Application;
+use crate::model::body::{BlockLinears, BodyStore, LoopBody};
 use crate::model::config::{HeadKind, ModelConfig};
 use crate::model::layout::{block_name, blocks, Stage, BLOCK_LINEARS};
 use crate::model::quant::{f16_from_bytes, f16_values};
@@ -13,14 +14,16 @@ pub struct Norm<B: Backend> {
     pub bias: Option<B::Vector>,
 }
 
-pub struct BlockWeights<B: Backend> {
+/// The norms of one block (the same at every precision of its linears).
+pub struct BlockNorms<B: Backend> {
     pub attn_norm: Norm<B>,
-    pub attn_qkv: B::Linear,
-    pub attn_out: B::Linear,
     pub mlp_norm: Norm<B>,
-    pub mlp_gate: B::Linear,
-    pub mlp_up: B::Linear,
-    pub mlp_down: B::Linear,
+}
+
+/// What one block application runs: its norms and its linears.
+pub struct Block<'a, B: Backend> {
+    pub norms: &'a BlockNorms<B>,
+    pub linears: &'a BlockLinears<B>,
 }
 
 pub enum Head<B: Backend> {
@@ -36,13 +39,18 @@ pub struct Weights<B: Backend> {
     /// `[vocab, D]` or `[vocab, r]`, always f16.
     pub embed: B::Linear,
     pub embed_proj: Option<B::Linear>,
-    /// Pre blocks, then loop blocks, then post blocks.
-    pub blocks: Vec<BlockWeights<B>>,
+    /// Norms of the pre blocks, then the loop blocks, then the post blocks.
+    pub norms: Vec<BlockNorms<B>>,
+    /// Linears of the pre blocks, then the post blocks.
+    pub unshared: Vec<BlockLinears<B>>,
+    /// Linears of the loop blocks, at the precisions the sessions run.
+    pub body: BodyStore<B>,
     pub final_norm: Norm<B>,
     pub head: Head<B>,
     /// RoPE (cos, sin) table for every position a session may use.
     pub rope: B::Float,
-    /// Bytes of device memory the weights occupy.
+    /// Bytes of device memory the weights outside the loop body occupy (the body's own are
+    /// [`BodyStore::live_bytes`]).
     pub bytes: usize,
 }
 
@@ -64,19 +72,25 @@ impl<B: Backend> Weights<B> {
         } else {
             None
         };
-        let mut block_weights = Vec::new();
+        let (mut norms, mut unshared, mut body) = (Vec::new(), Vec::new(), Vec::new());
         for (stage, index) in blocks(&config) {
             let b = block_name(stage, index);
-            let [qkv, out, gate, up, down] = BLOCK_LINEARS.map(|n| format!("{b}.{n}"));
-            block_weights.push(BlockWeights {
+            norms.push(BlockNorms {
                 attn_norm: load_norm(backend, file, &format!("{b}.attn_norm"))?,
-                attn_qkv: linear(&qkv)?,
-                attn_out: linear(&out)?,
                 mlp_norm: load_norm(backend, file, &format!("{b}.mlp_norm"))?,
-                mlp_gate: linear(&gate)?,
-                mlp_up: linear(&up)?,
-                mlp_down: linear(&down)?,
             });
+            let [qkv, out, gate, up, down] = BLOCK_LINEARS.map(|n| format!("{b}.{n}"));
+            let block = BlockLinears::from_array([
+                linear(&qkv)?,
+                linear(&out)?,
+                linear(&gate)?,
+                linear(&up)?,
+                linear(&down)?,
+            ]);
+            match stage {
+                Stage::Loop => body.push(block),
+                Stage::Pre | Stage::Post => unshared.push(block),
+            }
         }
         let head = match (config.head, config.embed_factor_dim) {
             (HeadKind::Untied, _) => Head::Untied(linear("head")?),
@@ -86,12 +100,16 @@ impl<B: Backend> Weights<B> {
         let final_norm = load_norm(backend, file, "final_norm")?;
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
-        bytes += table.len() * 4 + 2 * config.dim * 2 * (block_weights.len() + 1);
+        bytes += table.len() * 4 + 2 * config.dim * 2 * (norms.len() + 1);
+        let body = BodyStore::new(backend, body)?;
+        bytes -= body.live_bytes();
         Ok(Weights {
             config,
             embed,
             embed_proj,
-            blocks: block_weights,
+            norms,
+            unshared,
+            body,
             final_norm,
             head,
             rope,
@@ -101,15 +119,27 @@ impl<B: Backend> Weights<B> {
 }
 
 impl<B: Backend> Weights<B> {
-    /// The weights an application runs (loop iterations share theirs).
-    pub fn block(&self, app: Application) -> &BlockWeights<B> {
+    /// The weights an application runs: loop iterations share theirs, from `body` (the loop
+    /// body of the session's tier).
+    pub fn block<'a>(&'a self, app: Application, body: &'a LoopBody<B>) -> Block<'a, B> {
         let c = &self.config;
-        let index = match app.stage {
-            Stage::Pre => app.block,
-            Stage::Loop => c.n_pre_blocks + app.block,
-            Stage::Post => c.n_pre_blocks + c.n_loop_blocks + app.block,
+        let (norm, linears) = match app.stage {
+            Stage::Pre => (app.block, &self.unshared[app.block]),
+            Stage::Loop => (c.n_pre_blocks + app.block, &body.blocks[app.block]),
+            Stage::Post => (
+                c.n_pre_blocks + c.n_loop_blocks + app.block,
+                &self.unshared[c.n_pre_blocks + app.block],
+            ),
         };
-        &self.blocks[index]
+        Block {
+            norms: &self.norms[norm],
+            linears,
+        }
+    }
+
+    /// Device bytes of the weights now: those outside the loop body, and the live bodies.
+    pub fn live_bytes(&self) -> usize {
+        self.bytes + self.body.live_bytes()
     }
 }
 

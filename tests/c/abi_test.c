@@ -232,6 +232,34 @@ static void test_bad_values(tl_model *m) {
     stop_bad[0] = -1;
     EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "negative stop token");
 
+    /* BETA-MON thresholds, checked only when the call asks for it */
+    gp = gen_params(4);
+    gp.beta_mon_low_entropy_bits = -1.0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "beta_mon thresholds unread without beta_monitor");
+    gp.beta_monitor = true;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_low_entropy_bits < 0");
+    CHECK(strstr(tl_last_error_message(), "beta_monitor.low_entropy_bits") != NULL, "  ... the message names the field");
+    gp.beta_mon_low_entropy_bits = 7.0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_low above high");
+    gp.beta_mon_low_entropy_bits = 0.5;
+    gp.beta_mon_high_entropy_bits = NAN;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_high_entropy_bits NaN");
+    gp.beta_mon_high_entropy_bits = 6.0;
+    gp.beta_mon_agreement_floor = 1.5;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "beta_mon_agreement_floor 1.5");
+    gp.beta_mon_agreement_floor = 0.95;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_OK, "tl_generate with beta_monitor");
+    {
+        tl_generate_stats bs;
+        bs.struct_size = sizeof bs;
+        EXPECT(tl_last_generate_stats(m, &bs), TL_OK, "tl_last_generate_stats of a monitored call");
+        CHECK(bs.beta_mon && bs.beta_mon_n_tokens == len && bs.beta_mon_entropy_min_bits >= 0.0 &&
+                  bs.beta_mon_entropy_min_bits <= bs.beta_mon_entropy_mean_bits &&
+                  bs.beta_mon_entropy_mean_bits <= bs.beta_mon_entropy_max_bits &&
+                  bs.beta_mon_entropy_max_bits <= 8.0 + 1e-4 && bs.beta_mon_low_entropy_bits == 0.5,
+              "  ... beta_mon set, one entropy per token, 0 <= min <= mean <= max <= log2(256)");
+    }
+
     /* struct_size */
     gp = gen_params(4);
     gp.struct_size = sizeof gp - 1;
@@ -1170,6 +1198,43 @@ static void test_earlier_generate_params(tl_model *m) {
     CHECK(same_tokens(a, la, b, lb), "  ... same tokens");
 }
 
+/* CTX-TIER: a policy through tl_generate_params.ctx_tier switches the loop body to INT2 at
+ * long_t; the tokens before the switch are those of plain generation. */
+static void test_ctx_tier(tl_model *m, tl_session *s) {
+    tl_ctx_tier_params tp;
+    EXPECT(tl_ctx_tier_default_params(&tp), TL_OK, "tl_ctx_tier_default_params");
+    CHECK(tp.struct_size == sizeof tp && tp.short_t == 512 && tp.long_t == 2048 && tp.long_bits == 2 && !tp.verbose && tp.file == NULL,
+          "  ... short_t 512, long_t 2048, long_bits 2, not verbose, no file");
+    EXPECT(tl_ctx_tier_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_ctx_tier_default_params(NULL)");
+    tl_generate_params gp = gen_params(10);
+    gp.loops = 3;
+    int32_t plain[16], out[16];
+    size_t lp = 0, lo = 0;
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, plain, 16, &lp), TL_OK, "plain generate for CTX-TIER");
+    tp.short_t = 4;
+    tp.long_t = N_PROMPT + 3;
+    gp.ctx_tier = &tp;
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_OK, "tl_session_generate with a CTX-TIER policy");
+    CHECK(lo == lp && same_tokens(out, 3, plain, 3), "  ... the tokens before the transition are those of plain generation");
+    tl_generate_stats st;
+    st.struct_size = sizeof st;
+    EXPECT(tl_session_last_generate_stats(s, &st), TL_OK, "tl_session_last_generate_stats after CTX-TIER");
+    CHECK(st.ctx_tier_observations == 10 && st.ctx_tier_short_steps == 3 && st.ctx_tier_long_steps == 7 &&
+              st.ctx_tier_transitions == 1 && st.ctx_tier_final == 2,
+          "  ... 10 observations, 3 at SHORT, 7 at LONG, 1 transition, LONG at the end");
+    /* The default session still holds INT4, so the model holds both loop bodies now. */
+    double at_long = 0, after = 0;
+    EXPECT(tl_vram_usage_mb(m, &at_long), TL_OK, "tl_vram_usage_mb at LONG");
+    tp.long_bits = 3;
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_ERR_INVALID_ARGUMENT, "CTX-TIER long_bits 3");
+    CHECK(strstr(tl_last_error_message(), "long_bits") != NULL, "  ... the message names long_bits");
+    gp.ctx_tier = NULL;
+    EXPECT(tl_session_generate(s, PROMPT, N_PROMPT, &gp, out, 16, &lo), TL_OK, "generate without a policy after CTX-TIER");
+    CHECK(lo == lp && same_tokens(out, lo, plain, lp), "  ... the INT4 tokens again");
+    EXPECT(tl_vram_usage_mb(m, &after), TL_OK, "tl_vram_usage_mb back at SHORT");
+    CHECK(after < at_long, "  ... the INT2 re-pack is freed once no session is at LONG");
+}
+
 static void test_looped(void) {
     tl_model *m = open_model(256);
     tl_session *s = NULL;
@@ -1179,6 +1244,7 @@ static void test_looped(void) {
     test_prefix_cache(m, s);
     test_resume(m, s);
     test_earlier_generate_params(m);
+    test_ctx_tier(m, s);
     tl_session_free(s);
     tl_model_free(m);
     test_bound_handles_after_close();

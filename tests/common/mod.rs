@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)] // each test crate uses a different subset
 
+pub mod beta_mon;
 pub mod reference;
 
 use std::path::PathBuf;
@@ -67,7 +68,14 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
         choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode,
     };
     let rows = if chunk == 0 { prompt.len() } else { chunk };
-    let mut buf = Buffers::new(backend, &weights.config, rows, layout).unwrap();
+    let mut buf = Buffers::new(
+        backend,
+        &weights.config,
+        rows,
+        layout,
+        weights.body.loaded().unwrap(),
+    )
+    .unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);
     let vocab = weights.config.vocab_size;
     for (i, part) in prompt.chunks(rows).enumerate() {
@@ -114,4 +122,63 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
         return if num == 0.0 { 0.0 } else { f64::INFINITY };
     }
     (num / den).sqrt()
+}
+
+/// A copy of the model at `path` whose loop-block linears are re-quantized to INT2 with
+/// `QuantizedMatrix::requantize` (what CTX-TIER runs at the LONG tier), written next to it.
+pub fn with_int2_loop_body(path: &std::path::Path) -> PathBuf {
+    use tinyloop::format::{DType, FileWriter, ModelFile};
+    use tinyloop::model::quant::{f16_from_bytes, LinearData, QuantizedMatrix};
+    let out = path.with_extension("int2-body.tinyloop");
+    let file = ModelFile::open(path).unwrap();
+    let mut writer = FileWriter::new(file.config.clone());
+    for (key, value) in &file.metadata {
+        writer.set_metadata(key, value.clone());
+    }
+    let mut names: Vec<String> = file.tensor_entries().map(|e| e.name.clone()).collect();
+    names.sort();
+    for name in names {
+        let (entry, bytes) = file.tensor(&name).unwrap();
+        let shape: Vec<usize> = entry.shape.iter().map(|&d| d as usize).collect();
+        match entry.dtype {
+            DType::F16 => writer.add_f16(&name, &shape, &f16_from_bytes(bytes)),
+            DType::Int4 | DType::Int2 => {
+                let group = entry.group_size.unwrap() as usize;
+                let q = QuantizedMatrix::from_bytes(entry.dtype, shape[0], shape[1], group, bytes)
+                    .unwrap();
+                let q = if name.starts_with("loop.") {
+                    q.requantize(DType::Int2).unwrap()
+                } else {
+                    q
+                };
+                writer.add_linear(&name, shape[0], shape[1], &LinearData::Quantized(q));
+            }
+            DType::F32 => panic!("{name}: the synthetic models hold no f32 tensors"),
+        }
+    }
+    let tmp = out.with_extension(format!("tmp{:?}", std::thread::current().id()));
+    writer.write(&tmp).unwrap();
+    std::fs::rename(&tmp, &out).unwrap();
+    out
+}
+
+/// Device bytes of the loop body of the model at `path`, at its own encoding and after a
+/// re-pack to INT2, as `bytes_of(rows, cols, bits, group)` counts one weight.
+pub fn loop_body_bytes(
+    path: &std::path::Path,
+    bytes_of: impl Fn(usize, usize, usize, usize) -> usize,
+) -> (usize, usize) {
+    let file = tinyloop::format::ModelFile::open(path).unwrap();
+    let (mut loaded, mut repacked) = (0, 0);
+    for e in file
+        .tensor_entries()
+        .filter(|e| e.name.starts_with("loop."))
+    {
+        if let Some(g) = e.group_size {
+            let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
+            loaded += bytes_of(rows, cols, e.dtype.bits() as usize, g as usize);
+            repacked += bytes_of(rows, cols, 2, g as usize);
+        }
+    }
+    (loaded, repacked)
 }

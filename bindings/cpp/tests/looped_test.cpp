@@ -143,4 +143,27 @@ TEST(Looped, BoundHandlesAreReleasedWithTheirModel) {
     EXPECT_EQ(status_of([&] { model.build_prefix_cache(kPrefix); }), TL_ERR_CLOSED);
 }
 
+TEST(Looped, CtxTierSwitchesTheLoopBodyInTheMiddleOfGeneration) {
+    auto model = open_model();
+    auto opts = greedy(10, 3);
+    auto plain = model.generate(kPrompt, opts);
+    EXPECT_EQ(model.last_generate_stats().ctx_tier_final, 0) << "no policy, no tier statistics";
+    tinyloop::CtxTier tier;
+    tier.short_t = 4;
+    tier.long_t = 9;
+    opts.ctx_tier = tier;
+    auto out = model.generate(kPrompt, opts);
+    auto stats = model.last_generate_stats();
+    // 6 prompt tokens: observations at seq_len 6, 7, 8 run at INT4, from 9 on at INT2.
+    EXPECT_EQ(stats.ctx_tier_observations, 10u);
+    EXPECT_EQ(stats.ctx_tier_short_steps, 3u);
+    EXPECT_EQ(stats.ctx_tier_long_steps, 7u);
+    EXPECT_EQ(stats.ctx_tier_transitions, 1u);
+    EXPECT_EQ(stats.ctx_tier_final, 2);
+    ASSERT_EQ(out.size(), 10u);
+    EXPECT_TRUE(std::equal(out.begin(), out.begin() + 3, plain.begin()));
+    opts.ctx_tier->long_bits = 3;
+    EXPECT_EQ(status_of([&] { model.generate(kPrompt, opts); }), TL_ERR_INVALID_ARGUMENT);
+}
+
 }  // namespace

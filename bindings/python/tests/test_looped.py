@@ -178,6 +178,7 @@ def test_param_structs_have_the_library_size():
         (_lib.ModelParams, dll.tl_model_default_params),
         (_lib.GenerateParams, dll.tl_generate_default_params),
         (_lib.SpeculativeParams, dll.tl_speculative_default_params),
+        (_lib.CtxTierParams, dll.tl_ctx_tier_default_params),
     ]:
         p = struct()
         assert fill(ctypes.byref(p)) == 0

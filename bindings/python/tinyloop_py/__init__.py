@@ -31,6 +31,7 @@ __all__ = [
     "Session",
     "PrefixCache",
     "ResumeHandle",
+    "CtxTier",
     "load",
     "abi_version",
     "library_path",
@@ -187,6 +188,75 @@ def _loops_also_as(*aliases: str):
     return wrap
 
 
+class CtxTier:
+    """A CTX-TIER policy for a generation call (``ctx_tier=``; a dict with the same keys works
+    too): the loop body is re-packed to INT2 once the sequence reaches ``long_t`` tokens and
+    back to INT4 on a call whose first step is below ``short_t``. ``verbose`` adds every
+    transition to the summary on stderr; ``file`` receives the summary as JSON."""
+
+    _KEYS = ("short_t", "long_t", "long_bits", "verbose", "file")
+
+    def __init__(
+        self,
+        short_t: int = 512,
+        long_t: int = 2048,
+        long_bits: int = 2,
+        verbose: bool = False,
+        file: Optional[Union[str, "os.PathLike[str]"]] = None,
+    ):
+        self.short_t = _int(short_t, "ctx_tier short_t", 0, _U32_MAX)
+        self.long_t = _int(long_t, "ctx_tier long_t", 0, _U32_MAX)
+        self.long_bits = _int(long_bits, "ctx_tier long_bits", 0, _U32_MAX)
+        self.verbose = bool(verbose)
+        self.file = None if file is None else os.fsencode(file)
+
+    @classmethod
+    def of(cls, value: Union["CtxTier", Dict[str, Any]]) -> "CtxTier":
+        if isinstance(value, CtxTier):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls._KEYS)
+            if unknown:
+                raise ValueError(f"ctx_tier: unknown keys {sorted(unknown)} (known: {cls._KEYS})")
+            return cls(**value)
+        raise TypeError(f"ctx_tier must be a CtxTier or a dict, got {type(value).__name__}")
+
+    def _params(self) -> "_c.CtxTierParams":
+        p = _c.CtxTierParams()
+        _check(_dll.tl_ctx_tier_default_params(ctypes.byref(p)), "generate")
+        p.short_t, p.long_t, p.long_bits = self.short_t, self.long_t, self.long_bits
+        p.verbose = self.verbose
+        p.file = self.file
+        return p
+
+
+#: A generation call's ``beta_monitor``: None or False (monitored only when the environment
+#: says so), True (BETA-MON with the default thresholds), or a dict of thresholds
+#: (``low_entropy_bits``, ``high_entropy_bits``, ``agreement_floor``; missing ones take their
+#: defaults).
+BetaMonitor = Union[None, bool, Dict[str, float]]
+
+_BETA_KEYS = ("low_entropy_bits", "high_entropy_bits", "agreement_floor")
+
+
+def _set_beta_monitor(p: "_c.GenerateParams", beta_monitor: BetaMonitor) -> None:
+    if beta_monitor is None or beta_monitor is False:
+        return
+    p.beta_monitor = True
+    if beta_monitor is True:
+        return
+    if not isinstance(beta_monitor, dict):
+        raise TypeError(
+            f"beta_monitor must be a bool or a dict of thresholds, got {type(beta_monitor).__name__}"
+        )
+    for key, value in beta_monitor.items():
+        if key not in _BETA_KEYS:
+            raise ValueError(f"beta_monitor: unknown key {key!r} (known: {', '.join(_BETA_KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"beta_monitor[{key!r}] must be a number, got {type(value).__name__}")
+        setattr(p, "beta_mon_" + key, float(value))
+
+
 class _Call:
     """The converted arguments of one generation call (kept alive while C uses them)."""
 
@@ -201,6 +271,8 @@ class _Call:
         seed: Optional[int],
         stop: Optional[Iterable[int]],
         prefix_cache: Optional["PrefixCache"] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ):
         self.tokens = _tokens(tokens)
         p = _c.GenerateParams()
@@ -226,6 +298,10 @@ class _Call:
                 )
             p.prefix_cache = prefix_cache._pointer("generate")
         self.prefix_cache = prefix_cache
+        self.ctx_tier = None if ctx_tier is None else CtxTier.of(ctx_tier)._params()
+        if self.ctx_tier is not None:
+            p.ctx_tier = ctypes.addressof(self.ctx_tier)
+        _set_beta_monitor(p, beta_monitor)
         self.params = p
 
     def args(self):
@@ -234,6 +310,14 @@ class _Call:
 
 # --------------------------------------------------------------------------------------------
 # Handles
+
+
+def _beta_mon(stats: "_c.GenerateStats") -> Dict[str, Any]:
+    """The BETA-MON summary of a monitored call as a dict."""
+    names = [name for name, _ in _c.GenerateStats._fields_ if name.startswith("beta_mon_")]
+    summary: Dict[str, Any] = {name[len("beta_mon_"):]: getattr(stats, name) for name in names}
+    summary["agreement_rate"] = stats.agreement if stats.drafted > 0 else None
+    return summary
 
 
 class _Handle:
@@ -357,12 +441,21 @@ class _Runner:
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Generate up to ``max_tokens`` tokens after ``tokens``; returns only the new tokens
         (np.int32), without the stop token that ended generation, if any. With
         ``prefix_cache`` (from :meth:`Model.build_prefix_cache`, at the same loops) the tokens
-        are generated after its prefix: the same tokens as from prefix + ``tokens``."""
-        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache)
+        are generated after its prefix: the same tokens as from prefix + ``tokens``. With
+        ``ctx_tier`` (a :class:`CtxTier` or a dict of its fields) the loop body runs at INT2
+        once the sequence is long (CTX-TIER; every generation call takes it). With
+        ``beta_monitor`` (True, or a dict of thresholds) the call's BETA-MON summary is
+        ``last_generate_stats()["beta_mon"]``."""
+        call = _Call(
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
+            ctx_tier, beta_monitor,
+        )
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
         self._run(
@@ -383,11 +476,16 @@ class _Runner:
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> Iterator[int]:
         """Like :meth:`generate`, yielding each token (an int) as soon as it exists. Arguments
         are checked now; generation starts at the first ``next()``. Leaving the loop early
         stops generation after at most one more token."""
-        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache)
+        call = _Call(
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
+            ctx_tier, beta_monitor,
+        )
         h = self._handle("generate_stream")
         if h.closed:
             raise _closed("generate_stream", self._what)
@@ -556,13 +654,19 @@ class _Runner:
         top_p: float = 1.0,
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Self-speculative generation: ``draft_len`` tokens at a time drafted at
         ``draft_loops`` iterations, verified at ``loops`` (the model default when None). Greedy
         output equals :meth:`generate` at ``loops``; sampled output has its distribution.
         ``reuse=False`` recomputes every block in the verify pass (the baseline). Acceptance
-        counts: :meth:`last_generate_stats`."""
-        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        counts (and with ``beta_monitor`` the BETA-MON summary, agreement included):
+        :meth:`last_generate_stats`."""
+        call = _Call(
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
+            ctx_tier=ctx_tier, beta_monitor=beta_monitor,
+        )
         spec = _c.SpeculativeParams()
         _check(_dll.tl_speculative_default_params(ctypes.byref(spec)), "generate_speculative")
         spec.draft_loops = _int(draft_loops, "draft_loops", 0, _U32_MAX)
@@ -606,12 +710,17 @@ class _Runner:
         top_p: float = 1.0,
         seed: Optional[int] = None,
         stop: Optional[Iterable[int]] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
     ) -> np.ndarray:
         """Generate after the prompt of ``handle`` at ``loops`` (any depth): the same tokens as
         ``generate(prompt, loops=loops)``, reusing the iterations the handle already ran."""
         if not isinstance(handle, ResumeHandle):
             raise TypeError(f"handle must be a ResumeHandle, got {type(handle).__name__}")
-        call = _Call((), max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        call = _Call(
+            (), max_tokens, loops, temperature, top_k, top_p, seed, stop,
+            ctx_tier=ctx_tier, beta_monitor=beta_monitor,
+        )
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
         self._looped(
@@ -624,12 +733,25 @@ class _Runner:
         """What the last successful generation call here did: ``tokens``, ``prefill_ms``,
         ``decode_ms``, and for speculative calls ``drafted``, ``accepted``,
         ``acceptance_rate`` and ``agreement`` (draft / verify argmax agreement); zeros before
-        the first call."""
+        the first call. ``beta_mon``: None, or for a monitored call its BETA-MON summary, a dict
+        with ``n_tokens``, ``entropy_mean_bits``, ``entropy_std_bits``, ``entropy_min_bits``,
+        ``entropy_max_bits``, ``low_rate``, ``high_rate``, ``agreement_rate`` (None unless
+        speculative), the thresholds ``low_entropy_bits``, ``high_entropy_bits``,
+        ``agreement_floor``, and ``agreement_below_floor``."""
         stats = _c.GenerateStats()
         stats.struct_size = ctypes.sizeof(_c.GenerateStats)
         self._looped("last_generate_stats", ctypes.byref(stats))
-        keys = [name for name, _ in _c.GenerateStats._fields_ if name != "struct_size"]
-        return {k: getattr(stats, k) for k in keys}
+        names = [name for name, _ in _c.GenerateStats._fields_ if name != "struct_size"]
+        out: Dict[str, Any] = {
+            k: getattr(stats, k) for k in names if not k.startswith(("ctx_", "beta_mon"))
+        }
+        tier = {k[len("ctx_tier_"):]: getattr(stats, k) for k in names if k.startswith("ctx_")}
+        final = tier.pop("final")
+        if final:
+            tier["tier"] = "SHORT" if final == 1 else "LONG"
+        out["ctx_tier"] = tier if final else None
+        out["beta_mon"] = _beta_mon(stats) if stats.beta_mon else None
+        return out
 
     def _vocab(self, method: str) -> int:
         raise NotImplementedError

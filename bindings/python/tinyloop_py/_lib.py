@@ -69,6 +69,22 @@ class GenerateParams(ctypes.Structure):
         ("stop_tokens", ctypes.POINTER(ctypes.c_int32)),
         ("n_stop_tokens", ctypes.c_size_t),
         ("prefix_cache", ctypes.c_void_p),
+        ("ctx_tier", ctypes.c_void_p),
+        ("beta_monitor", ctypes.c_bool),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
+    ]
+
+
+class CtxTierParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("short_t", ctypes.c_uint32),
+        ("long_t", ctypes.c_uint32),
+        ("long_bits", ctypes.c_uint32),
+        ("verbose", ctypes.c_bool),
+        ("file", ctypes.c_char_p),
     ]
 
 
@@ -101,6 +117,27 @@ class GenerateStats(ctypes.Structure):
         ("accepted", ctypes.c_size_t),
         ("acceptance_rate", ctypes.c_double),
         ("agreement", ctypes.c_double),
+        ("ctx_tier_observations", ctypes.c_size_t),
+        ("ctx_tier_short_steps", ctypes.c_size_t),
+        ("ctx_tier_long_steps", ctypes.c_size_t),
+        ("ctx_tier_transitions", ctypes.c_size_t),
+        ("ctx_tier_last_seq_len", ctypes.c_size_t),
+        ("ctx_tier_elapsed_ms", ctypes.c_double),
+        ("ctx_tier_apply_ms", ctypes.c_double),
+        ("ctx_tier_freed_bytes", ctypes.c_int64),
+        ("ctx_tier_final", ctypes.c_int32),
+        ("beta_mon", ctypes.c_bool),
+        ("beta_mon_n_tokens", ctypes.c_size_t),
+        ("beta_mon_entropy_mean_bits", ctypes.c_double),
+        ("beta_mon_entropy_std_bits", ctypes.c_double),
+        ("beta_mon_entropy_min_bits", ctypes.c_double),
+        ("beta_mon_entropy_max_bits", ctypes.c_double),
+        ("beta_mon_low_rate", ctypes.c_double),
+        ("beta_mon_high_rate", ctypes.c_double),
+        ("beta_mon_low_entropy_bits", ctypes.c_double),
+        ("beta_mon_high_entropy_bits", ctypes.c_double),
+        ("beta_mon_agreement_floor", ctypes.c_double),
+        ("beta_mon_agreement_below_floor", ctypes.c_bool),
     ]
 
 
@@ -184,6 +221,7 @@ _SIGNATURES = {
     "tl_session_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_speculative_default_params": (_status, [_specp]),
+    "tl_ctx_tier_default_params": (_status, [ctypes.POINTER(CtxTierParams)]),
     "tl_prefix_cache_free": (None, [_p]),
     "tl_prefix_cache_memory_mb": (_status, [_p, _dblp]),
     "tl_resume_handle_free": (None, [_p]),

@@ -6,7 +6,7 @@ use super::try_zeroed;
 use crate::backend::HostLinear;
 use crate::error::Result;
 use crate::format::DType;
-use crate::model::quant::f16_from_bytes;
+use crate::model::quant::{f16_from_bytes, QuantizedMatrix};
 
 /// A linear weight `[rows, cols]` in host memory.
 pub enum CpuLinear {
@@ -41,8 +41,12 @@ impl CpuLinear {
             }
             return Ok(CpuLinear::Dense { rows, cols, w });
         }
-        let q = host.to_quantized()?;
-        Ok(CpuLinear::Quantized {
+        Ok(CpuLinear::from_quantized(host.to_quantized()?))
+    }
+
+    pub fn from_quantized(q: QuantizedMatrix) -> CpuLinear {
+        let (rows, cols) = (q.rows, q.cols);
+        CpuLinear::Quantized {
             rows,
             cols,
             bits: q.dtype.bits() as usize,
@@ -50,7 +54,52 @@ impl CpuLinear {
             codes: q.codes,
             scales: q.scales.iter().map(|s| s.to_f32()).collect(),
             zeros: q.zeros.iter().map(|z| z.to_f32()).collect(),
-        })
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuLinear::Dense { .. } => DType::F16,
+            CpuLinear::Quantized { bits: 4, .. } => DType::Int4,
+            CpuLinear::Quantized { .. } => DType::Int2,
+        }
+    }
+
+    /// The quantized matrix as stored (scales and zeros were widened from f16, so narrowing them
+    /// back is exact); `None` for f16 weights.
+    pub fn to_quantized(&self) -> Option<QuantizedMatrix> {
+        match self {
+            CpuLinear::Dense { .. } => None,
+            CpuLinear::Quantized {
+                rows,
+                cols,
+                group_size,
+                codes,
+                scales,
+                zeros,
+                ..
+            } => Some(QuantizedMatrix {
+                dtype: self.dtype(),
+                rows: *rows,
+                cols: *cols,
+                group_size: *group_size,
+                codes: codes.clone(),
+                scales: scales.iter().map(|&s| half::f16::from_f32(s)).collect(),
+                zeros: zeros.iter().map(|&z| half::f16::from_f32(z)).collect(),
+            }),
+        }
+    }
+
+    /// The weight's bytes in the file's encoding.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match (self, self.to_quantized()) {
+            (_, Some(q)) => q.to_bytes(),
+            (CpuLinear::Dense { w, .. }, None) => w
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            (CpuLinear::Quantized { .. }, None) => unreachable!("quantized weights convert"),
+        }
     }
 
     pub fn rows(&self) -> usize {

@@ -7,11 +7,14 @@ mod linear;
 
 use half::f16;
 
-use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, StepInput};
+use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, StepInput};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crate::generate::sampling;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::NormKind;
+use crate::model::forward::LOGIT_ROWS;
+use crate::telemetry::beta_monitor::entropy_bits;
 
 pub use kv::read as read_kv_entry;
 pub(crate) use linear::dot;
@@ -33,6 +36,8 @@ pub struct CpuStep {
     chosen: u32,
     /// The tokens of the last `argmax_rows`.
     chosen_rows: Vec<u32>,
+    /// The entropies (bits) of the last `entropy_rows`.
+    entropies: Vec<f32>,
 }
 
 /// Allocate a zeroed vector, reporting failure as an error instead of aborting.
@@ -81,6 +86,7 @@ impl Backend for CpuBackend {
             choice: Choice::Greedy,
             chosen: 0,
             chosen_rows: Vec::with_capacity(max_rows),
+            entropies: Vec::with_capacity(LOGIT_ROWS),
         })
     }
 
@@ -115,6 +121,30 @@ impl Backend for CpuBackend {
 
     fn linear_bytes(&self, w: &CpuLinear) -> usize {
         w.bytes()
+    }
+
+    fn linear_dtype(&self, w: &CpuLinear) -> DType {
+        w.dtype()
+    }
+
+    fn requantize_linear(&self, w: &CpuLinear, dtype: DType) -> Result<CpuLinear> {
+        let q = w.to_quantized().ok_or_else(|| {
+            Error::invalid("only a quantized weight can be re-quantized (this one is f16)")
+        })?;
+        Ok(CpuLinear::from_quantized(q.requantize(dtype)?))
+    }
+
+    fn download_linear(&self, w: &CpuLinear) -> Result<OwnedLinear> {
+        Ok(OwnedLinear {
+            rows: w.rows(),
+            cols: w.cols(),
+            dtype: w.dtype(),
+            group_size: match w {
+                CpuLinear::Quantized { group_size, .. } => *group_size,
+                CpuLinear::Dense { cols, .. } => *cols,
+            },
+            bytes: w.to_bytes(),
+        })
     }
 
     fn kv_bytes(&self, kv: &Vec<u8>) -> usize {
@@ -267,5 +297,22 @@ impl Backend for CpuBackend {
 
     fn chosen_tokens(&self, step: &CpuStep, rows: usize) -> Result<Vec<u32>> {
         Ok(step.chosen_rows[..rows].to_vec())
+    }
+
+    fn entropy_rows(&self, logits: &Vec<f32>, rows: usize, len: usize, step: &mut CpuStep) {
+        step.entropies.clear();
+        step.entropies.extend(
+            logits[..rows * len]
+                .chunks_exact(len)
+                .map(|row| entropy_bits(row) as f32),
+        );
+    }
+
+    fn chosen_measured(&self, step: &CpuStep) -> Result<(u32, f32)> {
+        Ok((step.chosen, step.entropies[0]))
+    }
+
+    fn entropies(&self, step: &CpuStep, rows: usize) -> Result<Vec<f32>> {
+        Ok(step.entropies[..rows].to_vec())
     }
 }

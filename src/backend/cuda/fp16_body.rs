@@ -16,10 +16,8 @@ use super::blas::{self, Blas};
 use super::{CudaBackend, CudaLinear};
 use crate::backend::HostLinear;
 use crate::error::{Error, Result};
-use crate::format::ModelFile;
-use crate::model::layout::{block_name, Stage, BLOCK_LINEARS};
 use crate::model::quant::f16_to_bytes;
-use crate::model::weights::{host_linear, Weights};
+use crate::model::weights::Weights;
 
 /// Whether `TINYLOOP_EXPERIMENTAL_FP16_BODY` asks for the FP16 body cache (`1`, `on`, `true`).
 pub fn from_env() -> bool {
@@ -30,48 +28,42 @@ pub fn from_env() -> bool {
 }
 
 impl CudaBackend {
-    /// Give every quantized linear of the loop body its FP16 copy; the sessions made from this
-    /// backend then get a cuBLAS handle each. Returns the device bytes added and a line for
-    /// the load log. Fails with a device error naming cuBLAS when it cannot be loaded.
-    pub fn build_fp16_body(
-        &mut self,
-        weights: &Weights<CudaBackend>,
-        file: &ModelFile,
-    ) -> Result<(usize, String)> {
+    /// Turn the FP16 body cache on before the weights are loaded: every loop body this backend
+    /// or its sessions make (loaded, CTX-TIER's re-pack, or uploaded again) then gives each
+    /// quantized weight its FP16 copy ([`CudaBackend::attach_fp16_copy`]), and sessions get a
+    /// cuBLAS handle each. Fails with a device error naming cuBLAS when it cannot be loaded.
+    pub fn enable_fp16_body(&mut self) -> Result<()> {
         blas::load()?;
-        let config = &weights.config;
-        let mut bytes = 0usize;
-        for index in 0..config.n_loop_blocks {
-            let block = &weights.blocks[config.n_pre_blocks + index];
-            let linears = [
-                &block.attn_qkv,
-                &block.attn_out,
-                &block.mlp_gate,
-                &block.mlp_up,
-                &block.mlp_down,
-            ];
-            for (w, name) in linears.into_iter().zip(BLOCK_LINEARS) {
-                let host =
-                    host_linear(file, &format!("{}.{name}", block_name(Stage::Loop, index)))?;
-                if !host.dtype.is_quantized() {
-                    continue; // already FP16: the tensor-core GEMM reads it as it is
-                }
-                let copy = self.upload_fp16_copy(&host)?;
-                bytes += copy.bytes;
-                w.fp16
-                    .set(copy)
-                    .map_err(|_| Error::Device("the FP16 body cache was built twice".into()))?;
-            }
-        }
-        self.sync()?;
         // A handle made and dropped here: a cuBLAS that loads but cannot start fails the open.
         self.new_blas()?;
         self.fp16_body = true;
-        let note = format!(
-            "FP16 body cache: {:.1} MB of FP16 loop-body weights for prefill GEMMs (cuBLAS)",
-            bytes as f64 / 1e6
-        );
-        Ok((bytes, note))
+        Ok(())
+    }
+
+    /// Device bytes of the FP16 copies held by the loaded loop body (for the load log).
+    pub fn fp16_body_bytes(&self, weights: &Weights<CudaBackend>) -> usize {
+        weights.body.loaded().map_or(0, |body| {
+            body.blocks
+                .iter()
+                .flat_map(|b| b.all())
+                .filter_map(|w| w.fp16.get().map(|copy| copy.bytes))
+                .sum()
+        })
+    }
+
+    /// Give a quantized weight its FP16 copy, dequantized on the host from the weight's own
+    /// device bytes (so that a re-packed body's copy holds its INT2 values). F16 weights need
+    /// none: the tensor-core GEMM reads them as they are.
+    pub(super) fn attach_fp16_copy(&self, w: &CudaLinear) -> Result<()> {
+        if w.bits == 16 || w.fp16.get().is_some() {
+            return Ok(());
+        }
+        let host = self.download_weight(w)?;
+        let copy = self.upload_fp16_copy(&host.as_host())?;
+        self.sync()?; // other sessions' streams read the copy: it must be complete first
+        w.fp16
+            .set(copy)
+            .map_err(|_| Error::Device("the FP16 copy of a weight was built twice".into()))
     }
 
     /// A cuBLAS handle on this backend's stream.

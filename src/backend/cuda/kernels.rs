@@ -28,7 +28,7 @@ mod shipped;
 pub use shipped::ship;
 
 /// Kernel sources, in include order (each `.cu` includes `common.cuh`).
-pub(crate) const SOURCES: [(&str, &str); 9] = [
+pub(crate) const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
     ("kv.cuh", include_str!("../../../cuda/kv.cuh")),
     (
@@ -41,11 +41,12 @@ pub(crate) const SOURCES: [(&str, &str); 9] = [
     ("flash.cu", include_str!("../../../cuda/flash.cu")),
     ("sample.cu", include_str!("../../../cuda/sample.cu")),
     ("kv.cu", include_str!("../../../cuda/kv.cu")),
+    ("requantize.cu", include_str!("../../../cuda/requantize.cu")),
 ];
 
 /// The programs NVRTC compiles, in parallel: a source file and its extra options. The GEMV file
 /// is split by bit width because it dominates the compile time.
-const PROGRAMS: [(&str, &str); 9] = [
+const PROGRAMS: [(&str, &str); 10] = [
     ("elementwise.cu", ""),
     ("gemv.cu", "-DGEMV_BITS=16"),
     ("gemv.cu", "-DGEMV_BITS=4"),
@@ -55,6 +56,7 @@ const PROGRAMS: [(&str, &str); 9] = [
     ("sample.cu", ""),
     ("kv.cu", ""),
     ("flash.cu", ""),
+    ("requantize.cu", ""),
 ];
 
 // Indices into PROGRAMS of the modules that hold each kernel family.
@@ -66,6 +68,7 @@ const ATTENTION: usize = 5;
 const SAMPLE: usize = 6;
 const KV: usize = 7;
 const FLASH: usize = 8;
+const REQUANTIZE: usize = 9;
 
 /// Marks a cache file holding the cubins of every program (length-prefixed, in PROGRAMS order).
 const CACHE_MAGIC: &[u8; 8] = b"TLCUBIN2";
@@ -93,6 +96,7 @@ pub(crate) struct Kernels {
     pub to_half: sys::CUfunction,
     pub swiglu: sys::CUfunction,
     pub argmax_f32: sys::CUfunction,
+    pub entropy_f32: sys::CUfunction,
     pub sample_token: sys::CUfunction,
     /// `[bits index][rows index]`
     pub gemv: [[sys::CUfunction; 3]; 3],
@@ -112,6 +116,7 @@ pub(crate) struct Kernels {
     pub kv_move: sys::CUfunction,
     pub h_dequant: sys::CUfunction,
     pub h_finish: sys::CUfunction,
+    pub requantize_group: sys::CUfunction,
 }
 
 // SAFETY: CUmodules and CUfunctions are handles into a context that lives for the whole process
@@ -598,6 +603,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             to_half: get(ELEMENTWISE, "to_half")?,
             swiglu: get(ELEMENTWISE, "swiglu")?,
             argmax_f32: get(ELEMENTWISE, "argmax_f32")?,
+            entropy_f32: get(ELEMENTWISE, "entropy_f32")?,
             sample_token: get(SAMPLE, "sample_token")?,
             gemv: by_bits("gemv")?,
             gemv_gateup: by_bits("gemv_gateup")?,
@@ -627,6 +633,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             kv_move: get(KV, "kv_move")?,
             h_dequant: get(KV, "h_dequant")?,
             h_finish: get(KV, "h_finish")?,
+            requantize_group: get(REQUANTIZE, "requantize_group")?,
         })
     })();
     if loaded.is_err() {
@@ -663,6 +670,7 @@ mod tests {
         assert_eq!(PROGRAMS[SAMPLE].0, "sample.cu");
         assert_eq!(PROGRAMS[KV].0, "kv.cu");
         assert_eq!(PROGRAMS[FLASH].0, "flash.cu");
+        assert_eq!(PROGRAMS[REQUANTIZE].0, "requantize.cu");
     }
 
     #[test]

@@ -6,9 +6,9 @@ use std::sync::OnceLock;
 
 use super::driver::{Arg, DevBuf};
 use super::{blocks_for, kernels, CudaBackend};
-use crate::backend::{HostLinear, NormLayer};
+use crate::backend::{HostLinear, NormLayer, OwnedLinear};
 use crate::error::{Error, Result};
-use crate::format::DType;
+use crate::format::{check_group_size, DType};
 use crate::model::config::NormKind;
 
 /// A linear weight on the device: codes (or f16 values) at offset 0, then f16 scales and zeros
@@ -90,20 +90,106 @@ impl CudaBackend {
         )?;
         self.upload(&buf, 0, &w.bytes[..codes_len])?;
         self.upload(&buf, params_offset, &w.bytes[codes_len..])?;
-        let quantized = w.dtype.is_quantized();
-        let fast = w.cols.is_multiple_of(32) && (!quantized || w.group_size.is_multiple_of(32));
-        let units = if quantized { w.cols / 32 } else { w.cols / 8 };
-        Ok(CudaLinear {
+        Ok(self.linear_in(buf, w.rows, w.cols, w.dtype, w.group_size, params_offset))
+    }
+
+    /// A weight over `buf` (codes at 0, parameters at `params_offset`).
+    fn linear_in(
+        &self,
+        buf: DevBuf,
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        group: usize,
+        params_offset: usize,
+    ) -> CudaLinear {
+        let quantized = dtype.is_quantized();
+        let fast = cols.is_multiple_of(32) && (!quantized || group.is_multiple_of(32));
+        let units = if quantized { cols / 32 } else { cols / 8 };
+        CudaLinear {
             buf,
-            rows: w.rows,
-            cols: w.cols,
-            bits,
-            group: w.group_size,
+            rows,
+            cols,
+            bits: dtype.bits(),
+            group,
             params_offset,
             fast,
-            tpr: choose_tpr(w.rows, units.max(1), self.gpu.sms),
+            tpr: choose_tpr(rows, units.max(1), self.gpu.sms),
             streamed: AtomicBool::new(true),
             fp16: OnceLock::new(),
+        }
+    }
+
+    pub(super) fn dtype_of(w: &CudaLinear) -> DType {
+        match w.bits {
+            4 => DType::Int4,
+            2 => DType::Int2,
+            _ => DType::F16,
+        }
+    }
+
+    /// `w` re-quantized to `dtype` at the same group size by the `requantize_group` kernel (bit
+    /// for bit `QuantizedMatrix::requantize`), in stream order.
+    pub(super) fn requantize_weight(&self, w: &CudaLinear, dtype: DType) -> Result<CudaLinear> {
+        if w.bits == 16 || !dtype.is_quantized() {
+            return Err(Error::invalid(format!(
+                "cannot re-quantize a {} weight to {}: both must be quantized",
+                Self::dtype_of(w).name(),
+                dtype.name()
+            )));
+        }
+        check_group_size(dtype, w.cols as u64, w.group as u64).map_err(|why| {
+            Error::invalid(format!("cannot re-quantize to {}: {why}", dtype.name()))
+        })?;
+        let n_params = w.rows * (w.cols / w.group);
+        let codes_len = w.rows * w.cols * dtype.bits() as usize / 8;
+        let params_offset = codes_len.div_ceil(256) * 256;
+        let buf = self.gpu.alloc(
+            params_offset + 4 * n_params,
+            &format!("a {}x{} {} weight", w.rows, w.cols, dtype.name()),
+        )?;
+        let out = self.linear_in(buf, w.rows, w.cols, dtype, w.group, params_offset);
+        let zeros = 2 * n_params as u64;
+        self.run(
+            "requantize_group",
+            self.gpu.kernels.requantize_group,
+            (u32::try_from(n_params).expect("groups fit a grid"), 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(w.ptr()),
+                Arg::P(w.params()),
+                Arg::P(w.params() + zeros),
+                Arg::I(w.bits as i32),
+                Arg::P(out.ptr()),
+                Arg::P(out.params()),
+                Arg::P(out.params() + zeros),
+                Arg::I(dtype.bits() as i32),
+                Arg::usize(w.cols),
+                Arg::usize(w.group),
+            ],
+        );
+        self.check()?;
+        Ok(out)
+    }
+
+    /// A weight's bytes in the file's encoding: codes (or f16 values), then scales and zeros.
+    pub(super) fn download_weight(&self, w: &CudaLinear) -> Result<OwnedLinear> {
+        let dtype = Self::dtype_of(w);
+        let codes_len = w.rows * w.cols * w.bits as usize / 8;
+        let params_len = if dtype.is_quantized() {
+            4 * w.rows * (w.cols / w.group)
+        } else {
+            0
+        };
+        let mut bytes = self.download(&w.buf, 0, codes_len)?;
+        bytes.extend(self.download(&w.buf, w.params_offset, params_len)?);
+        Ok(OwnedLinear {
+            rows: w.rows,
+            cols: w.cols,
+            dtype,
+            group_size: w.group_arg(),
+            bytes,
         })
     }
 

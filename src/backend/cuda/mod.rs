@@ -39,8 +39,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaStream};
 use half::f16;
 
-use super::{Backend, HostLinear, NormLayer, StepInput};
+use super::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
 use crate::error::{Error, Result};
+use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
 use crate::model::config::{ModelConfig, NormKind};
 use crate::model::weights::Weights;
@@ -56,10 +57,13 @@ pub use step::CudaStep;
 // Byte offsets in a backend's scratch buffer (zero-initialized; the tickets return to zero after
 // every launch that uses them).
 const SCRATCH_ARGMAX_TICKET: usize = 4;
+const SCRATCH_ENTROPY_TICKET: usize = 8;
 const SCRATCH_ARGMAX_VALUES: usize = 1024;
 const SCRATCH_ARGMAX_INDICES: usize = 2048;
-const SCRATCH_TICKETS: usize = 3072;
-/// Most blocks of the argmax kernel (one candidate each in the scratch buffer).
+/// Three f32 partials (max, S, T) per block of the entropy kernel.
+const SCRATCH_ENTROPY_PARTS: usize = 3072;
+const SCRATCH_TICKETS: usize = SCRATCH_ENTROPY_PARTS + 3 * 4 * ARGMAX_BLOCKS;
+/// Most blocks of the argmax and entropy kernels (one candidate each in the scratch buffer).
 const ARGMAX_BLOCKS: usize = 256;
 
 /// Whether the CUDA driver library is present and reports at least one device (cheap; creates no
@@ -176,6 +180,7 @@ impl CudaBackend {
         let mut backend = CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)?;
         if self.fp16_body {
             backend.blas = Some(Box::new(backend.new_blas()?));
+            backend.fp16_body = true; // its re-packed and restored loop bodies get copies too
         }
         Ok(backend)
     }
@@ -210,6 +215,28 @@ impl CudaBackend {
             .collect())
     }
 
+    /// Copy `len` bytes at `offset` of `buf` to the host (waits for the device).
+    fn download(&self, buf: &DevBuf, offset: usize, len: usize) -> Result<Vec<u8>> {
+        assert!(
+            offset + len <= buf.bytes,
+            "download past the end of a device buffer"
+        );
+        self.check()?;
+        let mut raw = vec![0u8; len];
+        if len == 0 {
+            return Ok(raw);
+        }
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside `buf` (asserted); `raw` holds `len` bytes; the
+        // copy is stream-ordered after the work that wrote `buf`, and we wait for it below.
+        unsafe {
+            result::memcpy_dtoh_async(&mut raw, buf.ptr + offset as u64, self.stream.cu_stream())
+        }
+        .map_err(|e| device_error("copying to the host", e))?;
+        self.sync()?;
+        Ok(raw)
+    }
+
     /// Device memory held by this backend instance itself (scratch).
     pub fn own_bytes(&self) -> usize {
         self.scratch.bytes + self.blas.as_ref().map_or(0, |b| b.workspace_bytes())
@@ -219,25 +246,11 @@ impl CudaBackend {
         self.gpu.l2_bytes
     }
 
-    /// After `Weights::load`: wait for the uploads, mark the loop body's weights as L2-resident
-    /// (every other weight is streamed with evict-first loads), and describe the L2 fit.
+    /// After `Weights::load`: wait for the uploads and describe how the loop body (kept
+    /// L2-resident, `prepare_loop_weight`) fits the L2.
     pub fn finish_load(&self, weights: &Weights<CudaBackend>) -> Result<String> {
         self.sync()?;
-        let config = &weights.config;
-        let body = &weights.blocks[config.n_pre_blocks..config.n_pre_blocks + config.n_loop_blocks];
-        let mut body_bytes = 0usize;
-        for block in body {
-            for w in [
-                &block.attn_qkv,
-                &block.attn_out,
-                &block.mlp_gate,
-                &block.mlp_up,
-                &block.mlp_down,
-            ] {
-                w.streamed.store(false, Ordering::Relaxed);
-                body_bytes += w.buf.bytes;
-            }
-        }
+        let body_bytes = weights.body.live_bytes();
         let l2 = self.gpu.l2_bytes;
         Ok(format!(
             "loop body {:.1} MB vs L2 {:.1} MB ({})",
@@ -448,6 +461,28 @@ impl Backend for CudaBackend {
 
     fn linear_bytes(&self, w: &CudaLinear) -> usize {
         w.buf.bytes + w.fp16.get().map_or(0, |copy| copy.bytes)
+    }
+
+    fn linear_dtype(&self, w: &CudaLinear) -> DType {
+        CudaBackend::dtype_of(w)
+    }
+
+    fn requantize_linear(&self, w: &CudaLinear, dtype: DType) -> Result<CudaLinear> {
+        self.requantize_weight(w, dtype)
+    }
+
+    fn download_linear(&self, w: &CudaLinear) -> Result<OwnedLinear> {
+        self.download_weight(w)
+    }
+
+    // The loop body is re-read at every iteration: plain loads keep it in L2, while every other
+    // weight is streamed with evict-first loads.
+    fn prepare_loop_weight(&self, w: &CudaLinear) -> Result<()> {
+        w.streamed.store(false, Ordering::Relaxed);
+        if self.fp16_body {
+            self.attach_fp16_copy(w)?;
+        }
+        Ok(())
     }
 
     fn kv_bytes(&self, kv: &CudaKv) -> usize {
@@ -673,6 +708,18 @@ impl Backend for CudaBackend {
 
     fn chosen_tokens(&self, step: &CudaStep, rows: usize) -> Result<Vec<u32>> {
         self.read_chosen_rows(step, rows)
+    }
+
+    fn entropy_rows(&self, logits: &DevBuf, rows: usize, len: usize, step: &mut CudaStep) {
+        self.measure_rows(logits, rows, len, step)
+    }
+
+    fn chosen_measured(&self, step: &CudaStep) -> Result<(u32, f32)> {
+        self.read_chosen_measured(step)
+    }
+
+    fn entropies(&self, step: &CudaStep, rows: usize) -> Result<Vec<f32>> {
+        self.read_entropies(step, rows)
     }
 }
 

@@ -8,7 +8,7 @@ use super::driver::{device_error, Arg, DevBuf};
 use super::graph::Graph;
 use super::{
     CudaBackend, ARGMAX_BLOCKS, SCRATCH_ARGMAX_INDICES, SCRATCH_ARGMAX_TICKET,
-    SCRATCH_ARGMAX_VALUES,
+    SCRATCH_ARGMAX_VALUES, SCRATCH_ENTROPY_PARTS, SCRATCH_ENTROPY_TICKET,
 };
 use crate::backend::{Choice, StepInput};
 use crate::error::{Error, Result};
@@ -17,9 +17,12 @@ use crate::kv::TierBounds;
 use crate::model::forward::LOGIT_ROWS;
 
 /// Step block header in i32 words (cuda/common.cuh `STEP_*`): start position, rows, chosen token,
-/// the sampling parameters and draw, the KV age-tier bounds; the token ids follow.
-const STEP_HEADER: usize = 10;
+/// the entropies of up to LOGIT_ROWS logits rows (f32), the sampling parameters and draw, the KV
+/// age-tier bounds; the token ids follow.
+const STEP_HEADER: usize = 3 + LOGIT_ROWS + 7;
 const STEP_RESULT: usize = 2;
+/// Right after the chosen token, so that one copy reads the token and its row's entropy.
+const STEP_ENTROPY: usize = 3;
 /// Threads of the single block of the sampling kernel (cuda/sample.cu).
 const SAMPLE_THREADS: u32 = 1024;
 
@@ -76,6 +79,7 @@ impl CudaBackend {
             .map_err(|_| Error::invalid("start position exceeds i32"))?;
         step.host.clear();
         step.host.extend_from_slice(&[start, rows as i32, 0]);
+        step.host.extend_from_slice(&[0; LOGIT_ROWS]);
         step.host.extend_from_slice(&sampling_words(&input.choice));
         let bound = |b: usize| i32::try_from(b).expect("tier bounds are below max_seq_len");
         step.host
@@ -108,19 +112,70 @@ impl CudaBackend {
     }
 
     pub(super) fn read_chosen(&self, step: &CudaStep) -> Result<u32> {
-        let mut out = [0i32; 1];
+        let mut out = [0u32; 1];
+        self.read_header(step, STEP_RESULT, &mut out)?;
+        Ok(out[0])
+    }
+
+    /// The chosen token and the entropy of logits row 0, in one copy.
+    pub(super) fn read_chosen_measured(&self, step: &CudaStep) -> Result<(u32, f32)> {
+        let mut out = [0u32; 2];
+        self.read_header(step, STEP_RESULT, &mut out)?;
+        Ok((out[0], f32::from_bits(out[1])))
+    }
+
+    pub(super) fn read_entropies(&self, step: &CudaStep, rows: usize) -> Result<Vec<f32>> {
+        assert!(rows <= LOGIT_ROWS, "entropies of more rows than measured");
+        let mut out = vec![0u32; rows];
+        self.read_header(step, STEP_ENTROPY, &mut out)?;
+        Ok(out.into_iter().map(f32::from_bits).collect())
+    }
+
+    /// Copy `out.len()` words of the step header from word `first` (waits for the device).
+    fn read_header(&self, step: &CudaStep, first: usize, out: &mut [u32]) -> Result<()> {
+        assert!(
+            first + out.len() <= STEP_HEADER,
+            "read past the step header"
+        );
         self.gpu.bind()?;
-        // SAFETY: reads the 4-byte result slot of the step block into `out`.
+        // SAFETY: reads words first..first + out.len() of the step block (inside its header, as
+        // asserted) into `out`; the copy is stream-ordered after the work that wrote them.
         unsafe {
             result::memcpy_dtoh_async(
-                &mut out,
-                step.buf.ptr + (STEP_RESULT * 4) as u64,
+                out,
+                step.buf.ptr + (first * 4) as u64,
                 self.stream.cu_stream(),
             )
         }
         .map_err(|e| device_error("copying to the host", e))?;
-        self.sync()?;
-        Ok(out[0] as u32)
+        self.sync()
+    }
+
+    /// The entropy in bits of each of `rows` rows of `len` logits into the step's entropy words.
+    pub(super) fn measure_rows(&self, logits: &DevBuf, rows: usize, len: usize, step: &CudaStep) {
+        assert!(
+            rows <= LOGIT_ROWS,
+            "entropy of more rows than the logits buffer holds"
+        );
+        let results = step.buf.ptr + (STEP_ENTROPY * 4) as u64;
+        let blocks = len.div_ceil(1024).clamp(1, ARGMAX_BLOCKS);
+        let s = self.scratch.ptr;
+        for r in 0..rows {
+            self.run(
+                "entropy",
+                self.gpu.kernels.entropy_f32,
+                (blocks as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(logits.ptr + (r * len * 4) as u64),
+                    Arg::usize(len),
+                    Arg::P(s + SCRATCH_ENTROPY_PARTS as u64),
+                    Arg::P(s + SCRATCH_ENTROPY_TICKET as u64),
+                    Arg::P(results + (r * 4) as u64),
+                ],
+            );
+        }
     }
 
     /// The argmax of each of `rows` rows of `len` logits into the step's row results (after the
@@ -191,5 +246,29 @@ fn sampling_words(choice: &Choice) -> [i32; 5] {
             *draw as u32 as i32,
             (*draw >> 32) as u32 as i32,
         ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The step layout here is the one the kernels read (cuda/common.cuh `STEP_*`).
+    #[test]
+    fn step_layout_matches_the_kernels() {
+        let common = include_str!("../../../cuda/common.cuh");
+        let define = |name: &str| -> usize {
+            let prefix = format!("#define {name} ");
+            let line = common.lines().find_map(|l| l.strip_prefix(&prefix));
+            let value = line.and_then(|rest| rest.split_whitespace().next());
+            value
+                .unwrap_or_else(|| panic!("{name} is not defined"))
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(define("STEP_RESULT"), STEP_RESULT);
+        assert_eq!(define("STEP_ENTROPY"), STEP_ENTROPY);
+        assert_eq!(define("STEP_TOP_K"), STEP_ENTROPY + LOGIT_ROWS);
+        assert_eq!(define("STEP_TOKENS"), STEP_HEADER);
     }
 }
