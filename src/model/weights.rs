@@ -101,8 +101,13 @@ impl<B: Backend> Weights<B> {
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
         bytes += table.len() * 4 + 2 * config.dim * 2 * (norms.len() + 1);
+        // The store counts the loop body, with whatever preparing it adds (an FP16 copy).
+        bytes -= body
+            .iter()
+            .flat_map(|b| b.all())
+            .map(|w| backend.linear_bytes(w))
+            .sum::<usize>();
         let body = BodyStore::new(backend, body)?;
-        bytes -= body.live_bytes();
         Ok(Weights {
             config,
             embed,
