@@ -181,15 +181,16 @@ fn defaults_are_off_with_the_documented_thresholds() {
     );
 }
 
-/// Params of the previous header end before `beta_monitor`: whatever lies there is not read.
-/// Stats of the previous header end before `beta_mon`: nothing is written past them.
+/// Params of the previous header end before `ctx_tier`: whatever lies past it (the BETA-MON
+/// fields included) is not read. Stats of the previous header end before the CTX-TIER fields:
+/// nothing is written past them.
 #[test]
 fn callers_of_the_previous_header_are_served_as_before() {
     let model = open(&common::synth_file("tiny", 8, 4));
     let mut p = gen_params(5);
     p.beta_monitor = true;
     p.beta_mon_low_entropy_bits = -1.0; // would be refused if read
-    p.struct_size = std::mem::offset_of!(tl_generate_params, beta_monitor);
+    p.struct_size = std::mem::offset_of!(tl_generate_params, ctx_tier);
     let (status, _) = generate(&model, &p);
     assert_eq!(status, tl_status::TL_OK, "{}", last_error());
     assert!(
@@ -203,14 +204,14 @@ fn callers_of_the_previous_header_are_served_as_before() {
     assert_eq!(status, tl_status::TL_OK);
     #[repr(C)]
     struct Previous {
-        head: [u8; std::mem::offset_of!(tl_generate_stats, beta_mon)],
+        head: [u8; std::mem::offset_of!(tl_generate_stats, ctx_tier_observations)],
         beyond: [u8; 64],
     }
     let mut old = Previous {
-        head: [0; std::mem::offset_of!(tl_generate_stats, beta_mon)],
+        head: [0; std::mem::offset_of!(tl_generate_stats, ctx_tier_observations)],
         beyond: [0x5a; 64],
     };
-    let size = std::mem::offset_of!(tl_generate_stats, beta_mon);
+    let size = std::mem::offset_of!(tl_generate_stats, ctx_tier_observations);
     old.head[..std::mem::size_of::<usize>()].copy_from_slice(&size.to_ne_bytes());
     // SAFETY: `old` holds `size` writable bytes that start with struct_size (and 64 more).
     let status = unsafe {
