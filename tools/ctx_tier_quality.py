@@ -8,9 +8,11 @@ against position, ΔNLL ∝ position^β.
 * INT2: the same file with its loop-block linears re-quantized by `tinyloop MODEL requantize
   --loop-body-bits 2` (round-to-nearest of the dequantized INT4 weights at the same group size:
   the runtime's CTX-TIER re-pack); the pre blocks, norms, embedding and head stay as they are.
-* CTX-TIER at T: `score --ctx-tier --ctx-tier-short-t 1 --ctx-tier-long-t T+1`, which runs
+* CTX-TIER at T: `score --ctx-tier --ctx-tier-short-t T+1 --ctx-tier-long-t T+1`, which runs
   positions below T at INT4 and positions from T on at INT2 (attending to the INT4 KV entries
-  of earlier positions), prefilled in chunks that divide T. A binary without `--ctx-tier` makes
+  of earlier positions), prefilled in chunks that divide T. Each window is a new call whose
+  first chunk is shorter than short_t, so the session's tier returns to SHORT (hysteresis would
+  keep a lower short_t at LONG for every window after the first). A binary without `--ctx-tier` makes
   the tool say so and leave those rows out.
 
 Every variant is scored with `score --window W --buckets E --json` at the model's default depth;
@@ -123,7 +125,7 @@ def main():
     if has_ctx_tier(args.tinyloop):
         for t in args.thresholds:
             cmd = [*score[:1], args.demo, *score[2:], "--prefill-chunk", args.prefill_chunk,
-                   "--ctx-tier", "--ctx-tier-short-t", 1, "--ctx-tier-long-t", t + 1]
+                   "--ctx-tier", "--ctx-tier-short-t", t + 1, "--ctx-tier-long-t", t + 1]
             variants[f"CTX-TIER T={t}"] = scored(out, f"ctx-tier-{t}", cmd)
     else:
         print(f"note: {args.tinyloop} has no --ctx-tier option (`tinyloop help score` lists none); "
