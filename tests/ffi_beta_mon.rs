@@ -6,62 +6,18 @@
 
 mod common;
 
-use std::ffi::{CStr, CString};
-use std::ptr;
-
+use common::ffi::{last_error, open, Handle};
 use tinyloop::ffi::*;
 use tinyloop::{BetaMonitor, Device, GenerateParams, Model, ModelOptions};
 
 const PROMPT: [i32; 6] = [82, 79, 77, 69, 79, 58];
 
-struct Handle(*mut tl_model);
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        tl_model_free(self.0);
-    }
-}
-
-fn last_error() -> String {
-    // SAFETY: the library returns a valid NUL-terminated string for this thread.
-    unsafe { CStr::from_ptr(tl_last_error_message()) }
-        .to_string_lossy()
-        .into_owned()
-}
-
-fn open(path: &std::path::Path) -> Handle {
-    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { tl_model_default_params(params.as_mut_ptr()) },
-        tl_status::TL_OK
-    );
-    // SAFETY: initialized by the call above.
-    let mut params = unsafe { params.assume_init() };
-    let device = CString::new("cpu").unwrap();
-    params.device = device.as_ptr();
-    params.max_seq_len = 128;
-    params.log = false;
-    let cpath = CString::new(path.to_str().unwrap()).unwrap();
-    let mut model = ptr::null_mut();
-    // SAFETY: valid strings, params and out-pointer.
-    let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
-    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
-    Handle(model)
-}
-
+/// Default params for `max_tokens` tokens at 3 loops.
 fn gen_params(max_tokens: u32) -> tl_generate_params {
-    let mut p = std::mem::MaybeUninit::<tl_generate_params>::uninit();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { tl_generate_default_params(p.as_mut_ptr()) },
-        tl_status::TL_OK
-    );
-    // SAFETY: initialized above.
-    let mut p = unsafe { p.assume_init() };
-    p.max_tokens = max_tokens;
-    p.loops = 3;
-    p
+    tl_generate_params {
+        loops: 3,
+        ..common::ffi::gen_params(max_tokens)
+    }
 }
 
 fn generate(model: &Handle, p: &tl_generate_params) -> (tl_status, Vec<i32>) {
@@ -97,7 +53,7 @@ fn stats(model: &Handle) -> tl_generate_stats {
 #[test]
 fn the_summary_equals_the_rust_api() {
     let path = common::synth_file("tiny", 8, 4);
-    let model = open(&path);
+    let model = open(&path, 128);
     let mut p = gen_params(20);
     p.beta_monitor = true;
     p.beta_mon_low_entropy_bits = 7.0;
@@ -186,7 +142,7 @@ fn defaults_are_off_with_the_documented_thresholds() {
 /// nothing is written past them.
 #[test]
 fn callers_of_the_previous_header_are_served_as_before() {
-    let model = open(&common::synth_file("tiny", 8, 4));
+    let model = open(&common::synth_file("tiny", 8, 4), 128);
     let mut p = gen_params(5);
     p.beta_monitor = true;
     p.beta_mon_low_entropy_bits = -1.0; // would be refused if read
@@ -231,7 +187,7 @@ fn callers_of_the_previous_header_are_served_as_before() {
 
 #[test]
 fn bad_thresholds_name_the_field() {
-    let model = open(&common::synth_file("tiny", 8, 4));
+    let model = open(&common::synth_file("tiny", 8, 4), 128);
     type Spoil = fn(&mut tl_generate_params);
     let cases: [(Spoil, &str); 5] = [
         (

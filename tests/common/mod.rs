@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each test crate uses a different subset
 
 pub mod beta_mon;
+pub mod ffi;
 pub mod reference;
 
 use std::path::PathBuf;
