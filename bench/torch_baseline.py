@@ -26,7 +26,11 @@ import torch.nn.functional as F
 
 
 def read_tinyloop(path, device):
-    """Config and FP16 tensors (dequantized) of a .tinyloop file (docs/FORMAT.md, version 1)."""
+    """Config and tensors of a .tinyloop file (docs/FORMAT.md, version 1), on `device`.
+
+    Returns (config, tensors, quant): tensors maps every name to its FP16 value (quantized weights
+    dequantized in f32, then rounded); quant maps each quantized weight to (codes uint8 [rows,
+    cols], scales f32 [rows, groups], zeros f32 [rows, groups], group size)."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if mm[:8] != b"TINYLOOP":
@@ -36,15 +40,15 @@ def read_tinyloop(path, device):
         sys.exit(f"{path}: unsupported version {version} / flags {flags}")
     header = json.loads(mm[24 : 24 + header_len])
     data_start = (24 + header_len + 63) // 64 * 64
-    tensors = {}
+    tensors, quant = {}, {}
     for t in header["tensors"]:
         start = data_start + t["offset"]
         raw = torch.frombuffer(bytearray(mm[start : start + t["length"]]), dtype=torch.uint8).to(device)
-        shape = t["shape"]
+        name, shape = t["name"], t["shape"]
         if t["dtype"] == "f16":
-            tensors[t["name"]] = raw.view(torch.float16).reshape(shape)
+            tensors[name] = raw.view(torch.float16).reshape(shape)
         elif t["dtype"] == "f32":
-            tensors[t["name"]] = raw.view(torch.float32).reshape(shape).half()
+            tensors[name] = raw.view(torch.float32).reshape(shape).half()
         else:
             bits = 4 if t["dtype"] == "int4" else 2
             rows, cols = shape
@@ -53,14 +57,15 @@ def read_tinyloop(path, device):
             ncode = rows * cols // per
             codes = raw[:ncode].reshape(rows, cols // per)
             shifts = torch.arange(per, device=device, dtype=torch.uint8) * bits
-            q = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, cols).float()
+            q = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, cols)
             nparam = rows * (cols // g)
             params = raw[ncode:].view(torch.float16).float()
             scales = params[:nparam].reshape(rows, cols // g)
-            zeros = params[nparam:].reshape(rows, cols // g)
-            w = q.reshape(rows, cols // g, g) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
-            tensors[t["name"]] = w.reshape(rows, cols).half()
-    return header["config"], tensors
+            zeros = params[nparam : 2 * nparam].reshape(rows, cols // g)
+            w = q.float().reshape(rows, cols // g, g) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
+            tensors[name] = w.reshape(rows, cols).half()
+            quant[name] = (q, scales, zeros, g)
+    return header["config"], tensors, quant
 
 
 class Weights(torch.nn.Module):
@@ -197,7 +202,7 @@ def main():
     args = ap.parse_args()
     device = "cuda"
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
-    config, tensors = read_tinyloop(args.model, device)
+    config, tensors, _ = read_tinyloop(args.model, device)
     loops = args.loops or config["default_loops"]
     max_len = max(args.prompt + 4 * args.steps + 8, args.prefill)
     net = Net(config, tensors, max_len, loops, device)

@@ -32,56 +32,13 @@ JSON object) on stdout at the end.
 
 import argparse
 import json
-import mmap
-import struct
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-
-def read_tinyloop(path):
-    """Config and tensors of a .tinyloop file (docs/FORMAT.md, version 1), on the GPU.
-
-    Returns (config, tensors, quant): tensors maps every name to its FP16 value (quantized weights
-    dequantized in f32, then rounded); quant maps each quantized weight to (codes uint8 [rows,
-    cols], scales f32 [rows, groups], zeros f32 [rows, groups], group size)."""
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if mm[:8] != b"TINYLOOP":
-        sys.exit(f"{path}: not a .tinyloop file")
-    version, flags, header_len = struct.unpack_from("<IIQ", mm, 8)
-    if version != 1 or flags != 0:
-        sys.exit(f"{path}: unsupported version {version} / flags {flags}")
-    header = json.loads(mm[24 : 24 + header_len])
-    data_start = (24 + header_len + 63) // 64 * 64
-    tensors, quant = {}, {}
-    for t in header["tensors"]:
-        start = data_start + t["offset"]
-        raw = torch.frombuffer(bytearray(mm[start : start + t["length"]]), dtype=torch.uint8).cuda()
-        name, shape = t["name"], t["shape"]
-        if t["dtype"] == "f16":
-            tensors[name] = raw.view(torch.float16).reshape(shape)
-        elif t["dtype"] == "f32":
-            tensors[name] = raw.view(torch.float32).reshape(shape).half()
-        else:
-            bits = 4 if t["dtype"] == "int4" else 2
-            rows, cols = shape
-            g = t["group_size"]
-            per = 8 // bits
-            ncode = rows * cols // per
-            codes = raw[:ncode].reshape(rows, cols // per)
-            shifts = torch.arange(per, device="cuda", dtype=torch.uint8) * bits
-            q = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, cols)
-            nparam = rows * (cols // g)
-            params = raw[ncode:].view(torch.float16).float()
-            scales = params[:nparam].reshape(rows, cols // g)
-            zeros = params[nparam : 2 * nparam].reshape(rows, cols // g)
-            w = q.float().reshape(rows, cols // g, g) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
-            tensors[name] = w.reshape(rows, cols).half()
-            quant[name] = (q, scales, zeros, g)
-    return header["config"], tensors, quant
+from torch_baseline import read_tinyloop  # the same reader as the decode baseline
 
 
 def forward_flops(c, n, past, loops, head_rows):
@@ -347,7 +304,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("torch_peer.py: no CUDA device visible to torch")
     torch._dynamo.config.cache_size_limit = 64
-    config, tensors, quant = read_tinyloop(args.model)
+    config, tensors, quant = read_tinyloop(args.model, "cuda")
     max_len = max(prompts + [args.decode_prompt + args.steps + 8])
     gen = torch.Generator().manual_seed(0)
     vocab = config["vocab_size"]
