@@ -4,31 +4,82 @@
 // FA_BQ. Row r (position start_pos + r) attends to positions 0..start_pos + r. Key tiles start at
 // multiples of FA_BK from position 0, whatever the step's start, so a row's sums run over the same
 // tiles in the same order however the prompt was chunked: tiles past a row's position are masked
-// entirely and leave its state unchanged (max unchanged, correction exp(0) = 1, p = 0).
+// entirely and leave its state unchanged (max unchanged, correction 2^0 = 1, p = 0).
 //
-// Per key tile: S = Q·Kᵀ (q rounded to f16, f32 accumulation), scaled in f32; an online softmax
-// in f32 (running max and sum of the f32 p per row); p rounded to f16 for P·V (f32
+// Per key tile: S = Q·Kᵀ (q rounded to f16, f32 accumulation), scaled in f32 by scale · log2 e;
+// an online softmax in f32 in base 2 (running max and sum of the f32 p = 2^(s - m) per row, the
+// powers by the special function unit's ex2); p rounded to f16 for P·V (f32
 // accumulation); the output divided by the sum and rounded to f16 once (docs/FORMAT.md
 // "Numerics"). Positions past the step's last row are zero in shared memory, so stale cache
 // entries never reach a product.
+//
+// K and V tiles are double-buffered in dynamic shared memory (sized by src/backend/cuda/flash.rs):
+// the next tile's cp.async copies run while the tensor cores work on this one. Fragments come
+// from shared memory through ldmatrix (K as stored; V transposed), rows padded by 16 bytes so
+// that the eight row addresses of each 8x8 matrix fall in different banks.
 #include "common.cuh"
 
 #define FA_BQ 64 // query rows per block
 #define FA_BK 64 // positions per key tile
 #define FA_THREADS 128
+// Blocks per SM the registers must allow (at most 168 per thread): three blocks' two-stage tiles
+// fit the shared memory of sm_90 (the host asks for the largest carve-out), and twelve warps per
+// SM hide the latency of each warp's dependent chain (scores, softmax, P·V) better than eight.
+#define FA_MIN_BLOCKS 3
 
+// Two values rounded to f16 (to nearest even) in one instruction, lo in the lower half.
 DEV u32 pack_f16x2(float lo, float hi) {
-    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N> DEV void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+DEV u32 smem_addr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
 }
 
 DEV void cp_async16(void* smem, const void* gmem) {
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
+                 : "memory");
 }
 
-DEV void cp_async_wait_all() {
-    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+// Four 8x8 f16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+DEV void ldmatrix_x4(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+
+// Two 8x8 f16 matrices; lanes 0-15 give the row addresses (the others' are not read).
+DEV void ldmatrix_x2(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(row)));
+}
+
+// As ldmatrix_x4, each matrix transposed.
+DEV void ldmatrix_x4_trans(u32* r, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+
+// 2^x by the special function unit (relative error below 2^-22; 2^-inf = 0; results below
+// 2^-126 flushed to zero, far under the f16 rounding of the probabilities).
+DEV float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // The maximum (sum) over the four lanes of a quad, which hold one row's values.
@@ -49,8 +100,10 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
                          f16_t* __restrict__ out) {
     constexpr int SROW = HD + 8; // halves per shared row: padded so fragment loads avoid conflicts
     constexpr int NT = FA_BK / 8; // 8-position column blocks of S
-    __shared__ __align__(16) f16_t Ks[FA_BK][SROW];
-    __shared__ __align__(16) f16_t Vs[FA_BK][SROW];
+    typedef f16_t Tile[FA_BK][SROW];
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    Tile* Ks = (Tile*)fa_smem; // [2]: the two stages
+    Tile* Vs = Ks + 2;
     kernel_start();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -64,6 +117,7 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
     const int warp_last = start + q0 + warp * 16 + 15;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; // this thread's rows
     const int pos0 = start + r0, pos1 = start + r1;
+    const float scale_log2 = __fmul_rn(scale, 1.44269504f); // log2 e, rounded to f32
 
     u32 qf[HD / 16][4];
     {
@@ -89,88 +143,124 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
 
     const f16_t* K = kc + slot_offset + (size_t)kvh * HD;
     const f16_t* V = vc + slot_offset + (size_t)kvh * HD;
-    const int tiles = block_last / FA_BK + 1;
-    for (int kt = 0; kt < tiles; kt++) {
-        const int k0 = kt * FA_BK;
-        __syncthreads(); // every warp is done with the previous tile
+    // Copy key tile kt into stage kt % 2 (positions past the step's last row as zeros).
+    auto load_tile = [&](int kt) {
+        Tile& ks = Ks[kt & 1];
+        Tile& vs = Vs[kt & 1];
         for (int i = tid; i < FA_BK * HD / 8; i += FA_THREADS) {
             const int kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            const int p = k0 + kr;
+            const int p = kt * FA_BK + kr;
             if (p <= last) {
-                cp_async16(&Ks[kr][c], K + (size_t)p * kv_dim + c);
-                cp_async16(&Vs[kr][c], V + (size_t)p * kv_dim + c);
+                cp_async16(&ks[kr][c], K + (size_t)p * kv_dim + c);
+                cp_async16(&vs[kr][c], V + (size_t)p * kv_dim + c);
             } else {
-                *(uint4*)&Ks[kr][c] = make_uint4(0u, 0u, 0u, 0u);
-                *(uint4*)&Vs[kr][c] = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4*)&ks[kr][c] = make_uint4(0u, 0u, 0u, 0u);
+                *(uint4*)&vs[kr][c] = make_uint4(0u, 0u, 0u, 0u);
             }
         }
-        cp_async_wait_all();
-        __syncthreads();
-        if (k0 > warp_last) continue; // past every row of this warp: it would change nothing
-
-        float s[NT][4];
+        cp_async_commit();
+    };
+    // This lane's row of the 8x8 matrices its ldmatrix loads (matrix mi = lane / 8).
+    const int mrow = lane & 7, mi = lane >> 3;
+    const int tiles = block_last / FA_BK + 1;
+    load_tile(0);
+    for (int kt = 0; kt < tiles; kt++) {
+        const int k0 = kt * FA_BK;
+        if (kt + 1 < tiles) {
+            load_tile(kt + 1); // into the stage the previous iteration finished with
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads(); // tile kt is in shared memory for every warp
+        const Tile& ks = Ks[kt & 1];
+        const Tile& vs = Vs[kt & 1];
+        if (k0 <= warp_last) { // past every row of this warp, the tile would change nothing
+            float s[NT][4];
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
+            for (int j = 0; j < NT; j++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+                for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
 #pragma unroll
-            for (int c = 0; c < HD / 16; c++) {
-                const u32 b[2] = {*(const u32*)&Ks[8 * j + g][16 * c + 2 * t],
-                                  *(const u32*)&Ks[8 * j + g][16 * c + 2 * t + 8]};
-                mma16816(s[j], qf[c], b);
+                for (int c = 0; c < HD / 16; c += 2) {
+                    // Positions 8j.., dims 16c + 8·mi: the B fragments of chunks c and c + 1.
+                    u32 b[4];
+                    if (c + 1 < HD / 16) {
+                        ldmatrix_x4(b, &ks[8 * j + mrow][16 * c + 8 * mi]);
+                        mma16816(s[j], qf[c], b);
+                        mma16816(s[j], qf[c + 1], b + 2);
+                    } else { // the last chunk of an odd count (HD = 16)
+                        ldmatrix_x2(b, &ks[8 * j + mrow][16 * c + 8 * (mi & 1)]);
+                        mma16816(s[j], qf[c], b);
+                    }
+                }
+            }
+            // Scores in log2 units (scale · log2 e), so that p = 2^(s - m) is one ex2.
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[j][e] = __fmul_rn(s[j][e], scale_log2);
+            if (k0 + FA_BK - 1 > start + q0 + warp * 16) { // the tile reaches past a row: mask
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int p = k0 + 8 * j + 2 * t + (e & 1);
+                        if (p > (e >= 2 ? pos1 : pos0)) s[j][e] = NEG_INF;
+                    }
+            }
+            float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
+            const float m0 = fmaxf(m[0], quad_max(mx0)), m1 = fmaxf(m[1], quad_max(mx1));
+            // Position 0 is in the first tile of every row, so m0 and m1 are finite from there on.
+            const float c0 = exp2_approx(m[0] - m0), c1 = exp2_approx(m[1] - m1);
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                s[j][0] = exp2_approx(s[j][0] - m0);
+                s[j][1] = exp2_approx(s[j][1] - m0);
+                s[j][2] = exp2_approx(s[j][2] - m1);
+                s[j][3] = exp2_approx(s[j][3] - m1);
+                sum0 += s[j][0] + s[j][1];
+                sum1 += s[j][2] + s[j][3];
+            }
+            l[0] = l[0] * c0 + quad_sum(sum0);
+            l[1] = l[1] * c1 + quad_sum(sum1);
+            m[0] = m0;
+            m[1] = m1;
+            // A correction of 1 (no row's maximum grew: most tiles after the first) changes
+            // nothing, so the warp skips the rescale when none of its rows needs one.
+            if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++) {
+                    o[n][0] *= c0;
+                    o[n][1] *= c0;
+                    o[n][2] *= c1;
+                    o[n][3] *= c1;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < FA_BK / 16; kk++) {
+                const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]),
+                                  pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
+                                  pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < HD / 8; n += 2) {
+                    // Positions 16kk + 8·(mi & 1), dims 8n + 8·(mi >> 1), transposed: the B
+                    // fragments of column blocks n and n + 1.
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, &vs[16 * kk + 8 * (mi & 1) + mrow][8 * n + 8 * (mi >> 1)]);
+                    mma16816(o[n], a, b);
+                    mma16816(o[n + 1], a, b + 2);
+                }
             }
         }
-        float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int p = k0 + 8 * j + 2 * t + (e & 1);
-                const bool row1 = e >= 2;
-                const float v = p <= (row1 ? pos1 : pos0) ? __fmul_rn(s[j][e], scale) : NEG_INF;
-                s[j][e] = v;
-                if (row1) mx1 = fmaxf(mx1, v);
-                else mx0 = fmaxf(mx0, v);
-            }
-        const float m0 = fmaxf(m[0], quad_max(mx0)), m1 = fmaxf(m[1], quad_max(mx1));
-        // Position 0 is in the first tile of every row, so m0 and m1 are finite from there on.
-        const float c0 = expf(m[0] - m0), c1 = expf(m[1] - m1);
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            s[j][0] = expf(s[j][0] - m0);
-            s[j][1] = expf(s[j][1] - m0);
-            s[j][2] = expf(s[j][2] - m1);
-            s[j][3] = expf(s[j][3] - m1);
-            sum0 += s[j][0] + s[j][1];
-            sum1 += s[j][2] + s[j][3];
-        }
-        l[0] = l[0] * c0 + quad_sum(sum0);
-        l[1] = l[1] * c1 + quad_sum(sum1);
-        m[0] = m0;
-        m[1] = m1;
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= c0;
-            o[n][1] *= c0;
-            o[n][2] *= c1;
-            o[n][3] *= c1;
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_BK / 16; kk++) {
-            const u32 a[4] = {pack_f16x2(s[2 * kk][0], s[2 * kk][1]),
-                              pack_f16x2(s[2 * kk][2], s[2 * kk][3]),
-                              pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            const int k = 16 * kk + 2 * t;
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                const int d = 8 * n + g;
-                const u32 b[2] = {(u32)Vs[k][d] | ((u32)Vs[k + 1][d] << 16),
-                                  (u32)Vs[k + 8][d] | ((u32)Vs[k + 9][d] << 16)};
-                mma16816(o[n], a, b);
-            }
-        }
+        __syncthreads(); // every warp is done with this stage before it is loaded again
     }
 
     f16_t* out0 = out + (size_t)r0 * q_dim + (size_t)h * HD + 2 * t;
@@ -189,11 +279,13 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
 }
 
 // K and V of the step's slot start at kc + slot_offset and vc + slot_offset (f16 values),
-// positions kv_dim apart; the host checks 16-byte alignment of rows.
+// positions kv_dim apart; the host checks 16-byte alignment of rows and launches with
+// 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory.
 #define FLASH_KERNEL(HD)                                                                           \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_hd##HD(               \
-        const float* qkv, const int* step, int rows, int n_heads, int n_kv_heads, float scale,     \
-        const f16_t* kc, const f16_t* vc, long long slot_offset, f16_t* out) {                     \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)                        \
+        flash_attention_hd##HD(const float* qkv, const int* step, int rows, int n_heads,           \
+                               int n_kv_heads, float scale, const f16_t* kc, const f16_t* vc,      \
+                               long long slot_offset, f16_t* out) {                                \
         flash_attention<HD>(qkv, step, rows, n_heads, n_kv_heads, scale, kc, vc, slot_offset,      \
                             out);                                                                  \
     }

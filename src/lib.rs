@@ -73,7 +73,7 @@ pub struct ModelOptions {
     pub kv_mode: Option<KvMode>,
     /// Print the load log on stderr.
     pub log: bool,
-    /// Keep an FP16 copy of the loop body's quantized weights on the GPU for prefill GEMMs
+    /// Keep an FP16 copy of the transformer blocks' quantized weights on the GPU for prefill GEMMs
     /// through cuBLAS (more memory, faster long prompts; weights rounded to f16 on that path,
     /// docs/FORMAT.md "The FP16 body cache"). `None` uses `TINYLOOP_EXPERIMENTAL_FP16_BODY=1`.
     /// Has no effect on the CPU.
@@ -214,7 +214,7 @@ impl Model {
                 let fit = backend.finish_load(&weights)?;
                 if fp16_body {
                     notes.push(format!(
-                        "FP16 body cache: {:.1} MB of FP16 loop-body weights for prefill GEMMs \
+                        "FP16 body cache: {:.1} MB of FP16 block weights for prefill GEMMs \
                          (cuBLAS)",
                         backend.fp16_body_bytes(&weights) as f64 / 1e6
                     ));

@@ -52,15 +52,15 @@
 //!   Attention mixes such vectors, so the logits move by no more than that:
 //!   `mode_tol = model_tol(A) + √(√head_dim · model_tol(A) / qmax)`. Delta chains are re-encoded
 //!   against the stored earlier iterations, so a flip is not carried into later iterations.
-//! * **FP16 body cache** (`fp16_body_tol`): the GPU multiplies f16-rounded copies of the loop
-//!   body's weights, ŵ = w (1 + ε) with |ε| ≤ u = 2⁻¹¹, where the CPU uses w. A product's error
+//! * **FP16 body cache** (`fp16_body_tol`): the GPU multiplies f16-rounded copies of the
+//!   blocks' weights, ŵ = w (1 + ε) with |ε| ≤ u = 2⁻¹¹, where the CPU uses w. A product's error
 //!   Σ εᵢ wᵢ xᵢ has, for independent roundings, an L2 norm of about u/√3 · ‖y‖ (random-sign
 //!   terms: E[y²] = Σ wᵢ² xᵢ²); we allow u per product, and a block application has four
 //!   products in sequence (QKV → attention → output; gate and up → down), each feeding the
-//!   residual stream. Over B = k · L body applications, with every error adding up:
-//!   `fp16_body_tol = fp16_kv_tol(A) + 4 · B · 2⁻¹¹` (5.4·10⁻³ for tiny at L = 1, 2.6·10⁻² for
-//!   tl-407m at L = 8). A wrong offset, row or transpose in the cuBLAS call gives O(1) errors.
-//!   One-row calls keep the GEMV on the codes, so they keep `model_tol`.
+//!   residual stream. Over the A block applications (pre, loop and post), with every error
+//!   adding up: `fp16_body_tol = fp16_kv_tol(A) + 4 · A · 2⁻¹¹` (9.3·10⁻³ for tiny at L = 1,
+//!   3.0·10⁻² for tl-407m at L = 8). A wrong offset, row or transpose in the cuBLAS call gives
+//!   O(1) errors. One-row calls keep the GEMV on the codes, so they keep `model_tol`.
 //! * **attention probabilities** (`P_F16_TOL`, `fp16_kv_tol`): steps of more than one row in
 //!   the fp16 KV mode run on the tensor cores, which round each probability p = exp(s − m) ≤ 1
 //!   to f16 before the product with V: p̂ = p (1 + ε), |ε| ≤ u = 2⁻¹¹ (below 2⁻¹⁴, in the
@@ -1429,11 +1429,18 @@ fn cuda_chunked_prefill_matches_single_shot() {
 // ---------------------------------------------------------------------------------------------
 // The FP16 body cache (docs/FORMAT.md "The FP16 body cache")
 
-/// Whole-model tolerance with the FP16 body cache: `model_tol(A)` plus the rounding of the loop
-/// body's weights to f16 (module doc, "FP16 body cache").
+/// Whole-model tolerance with the FP16 body cache: `model_tol(A)` plus the rounding of every
+/// block's weights to f16 (module doc, "FP16 body cache").
 fn fp16_body_tol(config: &ModelConfig, loops: usize) -> f64 {
-    let body_applications = config.n_loop_blocks * loops;
-    fp16_kv_tol(config.applications(loops)) + (4 * body_applications) as f64 * 2f64.powi(-11)
+    let applications = config.applications(loops);
+    fp16_kv_tol(applications) + (4 * applications) as f64 * 2f64.powi(-11)
+}
+
+/// Elements of the linear weights of every block (pre, loop and post), each applied once.
+fn block_weight_elements(c: &ModelConfig) -> usize {
+    let (d, f) = (c.dim, c.ffn_dim);
+    let per_block = c.qkv_dim() * d + d * d + 3 * f * d;
+    per_block * (c.n_pre_blocks + c.n_loop_blocks + c.n_post_blocks)
 }
 
 fn open_fp16_body(path: &Path, max_seq_len: usize) -> Model {
@@ -1452,7 +1459,7 @@ fn open_fp16_body(path: &Path, max_seq_len: usize) -> Model {
 /// Prefill logits with the FP16 body cache against the CPU reference at ragged row counts
 /// (cuBLAS M: 17, 100, 513; N and K are the models' widths, e.g. 192 and 64 on tiny, 6144 and
 /// 2048 on tl-407m), and one row, which keeps the GEMV on the codes and so the plain tolerance.
-/// The model's memory must count the copy.
+/// The model's memory must count the copies, 2 bytes per block weight.
 #[test]
 fn cuda_fp16_body_matches_cpu() {
     if !cuda_or_skip("cuda_fp16_body_matches_cpu") {
@@ -1470,11 +1477,12 @@ fn cuda_fp16_body_matches_cpu() {
         let cpu = open(&path, Device::Cpu, 600);
         let gpu = open_fp16_body(&path, 600);
         let plain = open(&path, Device::Cuda(0), 600);
-        assert!(
-            gpu.memory_bytes() > plain.memory_bytes(),
-            "{name}: the FP16 copy is counted in the model's memory"
-        );
         let config = cpu.config().clone();
+        assert_eq!(
+            gpu.memory_bytes() - plain.memory_bytes(),
+            2 * block_weight_elements(&config),
+            "{name}: the FP16 copies of every block's weights are counted in the model's memory"
+        );
         let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
         for &loops in loop_counts() {
             let tol = fp16_body_tol(&config, loops);

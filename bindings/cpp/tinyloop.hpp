@@ -173,8 +173,9 @@ struct ModelOptions {
     /// KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
     /// "age:A:B"; empty uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
     std::string kv_mode;
-    /// FP16 body cache: 1 keeps an FP16 copy of the loop body's quantized weights on the GPU
-    /// for prefill GEMMs through cuBLAS, 0 does not, -1 follows TINYLOOP_EXPERIMENTAL_FP16_BODY.
+    /// FP16 body cache: 1 keeps an FP16 copy of the transformer blocks' quantized weights on the
+    /// GPU for prefill GEMMs through cuBLAS, 0 does not, -1 follows
+    /// TINYLOOP_EXPERIMENTAL_FP16_BODY.
     int32_t fp16_body;
 
     ModelOptions() {

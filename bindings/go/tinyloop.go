@@ -82,7 +82,7 @@ type Options struct {
 	// "age" or "age:A:B"; "" uses TINYLOOP_KV_INT8 / TINYLOOP_KV_DELTA, else fp16.
 	KVMode string
 	Log    bool // print the load log on stderr
-	// FP16Body 1 keeps an FP16 copy of the loop body's quantized weights on the GPU for
+	// FP16Body 1 keeps an FP16 copy of the transformer blocks' quantized weights on the GPU for
 	// prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path), 0 does
 	// not, -1 (the default) follows TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU.
 	FP16Body int

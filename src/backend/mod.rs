@@ -172,11 +172,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn requantize_linear(&self, w: &Self::Linear, dtype: DType) -> Result<Self::Linear>;
     /// A weight's bytes on the host, in the file's encoding (waits for the device).
     fn download_linear(&self, w: &Self::Linear) -> Result<OwnedLinear>;
-    /// Prepare a weight of a loop body as the body is made (loaded, re-packed or uploaded
-    /// again): every loop iteration reads it again, so a backend with a cache policy keeps it
-    /// resident, and the CUDA backend with the FP16 body cache gives it its FP16 copy. Nothing by
-    /// default.
-    fn prepare_loop_weight(&self, _w: &Self::Linear) -> Result<()> {
+    /// Prepare a linear weight of a transformer block as it is made (loaded, or for the loop
+    /// body also re-packed or uploaded again): the CUDA backend with the FP16 body cache gives it
+    /// its FP16 copy, and keeps a weight of the loop body (`looped`: every iteration reads it
+    /// again) resident in its cache. Nothing by default.
+    fn prepare_block_weight(&self, _w: &Self::Linear, _looped: bool) -> Result<()> {
         Ok(())
     }
     fn kv_bytes(&self, kv: &Self::KvStorage) -> usize;

@@ -93,8 +93,8 @@ struct CommonArgs {
     /// Silence the load log.
     #[arg(long, short)]
     quiet: bool,
-    /// Keep an FP16 copy of the loop body's weights on the GPU for prefill GEMMs through cuBLAS
-    /// (default: TINYLOOP_EXPERIMENTAL_FP16_BODY=1).
+    /// Keep an FP16 copy of the transformer blocks' weights on the GPU for prefill GEMMs through
+    /// cuBLAS (default: TINYLOOP_EXPERIMENTAL_FP16_BODY=1).
     #[arg(long)]
     fp16_body: bool,
 }

@@ -37,8 +37,8 @@ pub struct tl_model_params {
     /// (TINYLOOP_KV_INT8=1 → "int8", TINYLOOP_KV_DELTA=1 → "delta"), else "fp16". Only read
     /// during `tl_model_open`.
     pub kv_mode: *const c_char,
-    /// FP16 body cache: 1 keeps an FP16 copy of the loop body's quantized weights on the GPU for
-    /// prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path,
+    /// FP16 body cache: 1 keeps an FP16 copy of the transformer blocks' quantized weights on the
+    /// GPU for prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path,
     /// docs/FORMAT.md "The FP16 body cache"), 0 does not, -1 (default) follows
     /// TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU. Other values are rejected.
     pub fp16_body: i32,

@@ -75,7 +75,7 @@ impl<B: Backend> LoopBody<B> {
         let mut bytes = 0;
         let mut dtypes = Vec::new();
         for w in blocks.iter().flat_map(|b| b.all()) {
-            backend.prepare_loop_weight(w)?;
+            backend.prepare_block_weight(w, true)?;
             bytes += backend.linear_bytes(w);
             dtypes.push(backend.linear_dtype(w));
         }

@@ -60,12 +60,7 @@ impl<B: Backend> Weights<B> {
         let config = file.config.clone();
         // Sized by the caller's max_seq_len: the allocation most likely to fail goes first.
         let table = rope_table(positions, config.head_dim(), config.rope_theta)?;
-        let mut bytes = 0usize;
-        let mut linear = |name: &str| -> Result<B::Linear> {
-            let w = backend.upload_linear(&host_linear(file, name)?)?;
-            bytes += backend.linear_bytes(&w);
-            Ok(w)
-        };
+        let linear = |name: &str| backend.upload_linear(&host_linear(file, name)?);
         let embed = linear("embed")?;
         let embed_proj = if config.embed_factor_dim > 0 {
             Some(linear("embed_proj")?)
@@ -88,8 +83,14 @@ impl<B: Backend> Weights<B> {
                 linear(&down)?,
             ]);
             match stage {
+                // The body store prepares the loop body (and counts what that adds).
                 Stage::Loop => body.push(block),
-                Stage::Pre | Stage::Post => unshared.push(block),
+                Stage::Pre | Stage::Post => {
+                    for w in block.all() {
+                        backend.prepare_block_weight(w, false)?;
+                    }
+                    unshared.push(block);
+                }
             }
         }
         let head = match (config.head, config.embed_factor_dim) {
@@ -100,13 +101,18 @@ impl<B: Backend> Weights<B> {
         let final_norm = load_norm(backend, file, "final_norm")?;
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
-        bytes += table.len() * 4 + 2 * config.dim * 2 * (norms.len() + 1);
-        // The store counts the loop body, with whatever preparing it adds (an FP16 copy).
-        bytes -= body
-            .iter()
-            .flat_map(|b| b.all())
-            .map(|w| backend.linear_bytes(w))
-            .sum::<usize>();
+        // The body store counts the loop body; these are the other weights' bytes.
+        let head_linear = match &head {
+            Head::Untied(w) | Head::TiedFactorized(w) => Some(w),
+            Head::Tied => None,
+        };
+        let linears = [Some(&embed), embed_proj.as_ref(), head_linear]
+            .into_iter()
+            .flatten()
+            .chain(unshared.iter().flat_map(|b| b.all()));
+        let bytes = linears.map(|w| backend.linear_bytes(w)).sum::<usize>()
+            + table.len() * 4
+            + 2 * config.dim * 2 * (norms.len() + 1);
         let body = BodyStore::new(backend, body)?;
         Ok(Weights {
             config,

@@ -771,9 +771,9 @@ class Model(_Runner):
         "age" or "age:A:B" (ValueError for others); None uses ``TINYLOOP_KV_INT8`` /
         ``TINYLOOP_KV_DELTA``, else "fp16".
     :param log: print the load log on stderr.
-    :param fp16_body: keep an FP16 copy of the loop body's quantized weights on the GPU for
-        prefill GEMMs through cuBLAS (more memory, faster long prompts; weights rounded to f16
-        on that path); None follows ``TINYLOOP_EXPERIMENTAL_FP16_BODY=1``. No effect on the CPU.
+    :param fp16_body: keep an FP16 copy of the transformer blocks' quantized weights on the GPU
+        for prefill GEMMs through cuBLAS (more memory, faster long prompts; weights rounded to
+        f16 on that path); None follows ``TINYLOOP_EXPERIMENTAL_FP16_BODY=1``. No effect on the CPU.
     :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
         is unusable; the message names the failure point.
     :raises ValueError: ``max_seq_len <= 0`` (and other invalid arguments).

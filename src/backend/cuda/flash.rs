@@ -12,11 +12,19 @@ use crate::kv::{KvCache, KvMode};
 const BLOCK_ROWS: usize = 64;
 /// Threads per block (cuda/flash.cu `FA_THREADS`).
 const THREADS: u32 = 128;
+/// Positions per key tile (cuda/flash.cu `FA_BK`).
+const TILE_KEYS: usize = 64;
+
+/// Dynamic shared memory of the kernel for head dimension `hd`: two stages of a K and a V tile,
+/// rows padded by 8 halves (cuda/flash.cu). 69 632 bytes at `hd` = 128.
+pub(super) fn smem_bytes(hd: usize) -> usize {
+    2 * 2 * TILE_KEYS * (hd + 8) * 2
+}
 
 impl CudaBackend {
     /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel; false (and
     /// nothing launched) when the shape is not one it takes: an uninstantiated head dimension,
-    /// or cache rows not 16-byte aligned.
+    /// cache rows not 16-byte aligned, or a device with too little shared memory per block.
     pub(super) fn flash_attend(
         &self,
         qkv: &DevBuf,
@@ -33,7 +41,9 @@ impl CudaBackend {
         };
         let slot_offset = entries.slot * entries.slot_stride;
         let aligned = (entries.k | entries.v | (2 * slot_offset) as u64).is_multiple_of(16);
-        if rows < 2 || kv.layout.mode != KvMode::Fp16 || !aligned {
+        let smem = smem_bytes(hd);
+        let fits = smem <= self.gpu.smem_optin.saturating_sub(2048); // allow_dynamic_smem's limit
+        if rows < 2 || kv.layout.mode != KvMode::Fp16 || !aligned || !fits {
             return false;
         }
         let args = [
@@ -50,7 +60,7 @@ impl CudaBackend {
         ];
         let grid = (rows.div_ceil(BLOCK_ROWS) as u32, heads.n_heads as u32, 1);
         let f = self.gpu.kernels.flash_attention[variant];
-        self.run("flash_attention", f, grid, THREADS, 0, &args);
+        self.run("flash_attention", f, grid, THREADS, smem, &args);
         true
     }
 }

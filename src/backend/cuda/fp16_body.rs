@@ -1,7 +1,8 @@
 //! The opt-in FP16 body cache (`ModelOptions::fp16_body`, `TINYLOOP_EXPERIMENTAL_FP16_BODY=1`):
-//! an FP16 copy of the loop body's quantized linears, kept beside the codes, that feeds cuBLAS
-//! for the multi-row products of prefill. The body is applied L times per token, so its GEMMs
-//! are most of a prefill's arithmetic; cuBLAS runs them at tensor-core rate on FP16 operands.
+//! an FP16 copy of every transformer block's quantized linears (pre blocks, the loop body, post
+//! blocks), kept beside the codes, that feeds cuBLAS for the multi-row products of prefill. The
+//! blocks' GEMMs are nearly all of a prefill's arithmetic (the loop body's L times over); cuBLAS
+//! runs them at tensor-core rate on FP16 operands. The embedding and the head keep their codes.
 //!
 //! Numerics (docs/FORMAT.md "The FP16 body cache"): each weight is dequantized as
 //! `scale · q + zero` in f32 (the CPU reference's rule) and rounded once to f16; products are
@@ -28,10 +29,11 @@ pub fn from_env() -> bool {
 }
 
 impl CudaBackend {
-    /// Turn the FP16 body cache on before the weights are loaded: every loop body this backend
-    /// or its sessions make (loaded, CTX-TIER's re-pack, or uploaded again) then gives each
-    /// quantized weight its FP16 copy ([`CudaBackend::attach_fp16_copy`]), and sessions get a
-    /// cuBLAS handle each. Fails with a device error naming cuBLAS when it cannot be loaded.
+    /// Turn the FP16 body cache on before the weights are loaded: the pre and post blocks as
+    /// loaded, and every loop body this backend or its sessions make (loaded, CTX-TIER's
+    /// re-pack, or uploaded again), then give each quantized weight its FP16 copy
+    /// ([`CudaBackend::attach_fp16_copy`]), and sessions get a cuBLAS handle each. Fails with a
+    /// device error naming cuBLAS when it cannot be loaded.
     pub fn enable_fp16_body(&mut self) -> Result<()> {
         blas::load()?;
         // A handle made and dropped here: a cuBLAS that loads but cannot start fails the open.
@@ -40,15 +42,18 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Device bytes of the FP16 copies held by the loaded loop body (for the load log).
+    /// Device bytes of the FP16 copies held by the block weights (pre and post blocks, and the
+    /// loaded loop body), for the load log.
     pub fn fp16_body_bytes(&self, weights: &Weights<CudaBackend>) -> usize {
-        weights.body.loaded().map_or(0, |body| {
-            body.blocks
-                .iter()
-                .flat_map(|b| b.all())
-                .filter_map(|w| w.fp16.get().map(|copy| copy.bytes))
-                .sum()
-        })
+        let body = weights.body.loaded();
+        let loop_blocks = body.iter().flat_map(|b| &b.blocks);
+        weights
+            .unshared
+            .iter()
+            .chain(loop_blocks)
+            .flat_map(|b| b.all())
+            .filter_map(|w| w.fp16.get().map(|copy| copy.bytes))
+            .sum()
     }
 
     /// Give a quantized weight its FP16 copy, dequantized on the host from the weight's own

@@ -126,25 +126,42 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    /// Let the GEMV and norm kernels use up to the device's opt-in shared memory per block.
+    /// Let the GEMV, norm and flash attention kernels use up to the device's opt-in shared
+    /// memory per block.
     pub fn allow_dynamic_smem(&self, optin: usize) -> Result<()> {
         let limit = optin.saturating_sub(2048) as i32;
         let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
         let norm = self.gemv_norm.iter().chain(&self.gemv_gateup_norm);
-        for f in all.chain(norm).chain(std::iter::once(&self.norm_rows)) {
-            // SAFETY: `f` is a valid function of the loaded module.
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    *f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    limit,
-                )
-            }
-            .result()
-            .map_err(|e| device_error("cuFuncSetAttribute", e))?;
+        let others = std::iter::once(&self.norm_rows).chain(&self.flash_attention);
+        for f in all.chain(norm).chain(others) {
+            set_attribute(
+                *f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                limit,
+            )?;
+        }
+        // Flash attention runs several blocks of two-stage tiles per SM: all of the unified
+        // L1 / shared memory as shared memory (a preference, in percent).
+        for f in &self.flash_attention {
+            set_attribute(
+                *f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )?;
         }
         Ok(())
     }
+}
+
+fn set_attribute(
+    f: sys::CUfunction,
+    attribute: sys::CUfunction_attribute,
+    value: i32,
+) -> Result<()> {
+    // SAFETY: `f` is a valid function of a loaded module.
+    unsafe { sys::cuFuncSetAttribute(f, attribute, value) }
+        .result()
+        .map_err(|e| device_error("cuFuncSetAttribute", e))
 }
 
 /// Load the kernels for `arch`: from the disk cache when possible, otherwise compiled by NVRTC

@@ -14,7 +14,7 @@
 //!   linear layer, quantized weights applied as `scale · q + zero` with f32 accumulation. The
 //!   tensor-core prefill GEMM multiplies the integer codes (exact in f16) and applies scale and
 //!   zero in f32 per group, so no weight is rounded to f16 on any path but the opt-in FP16 body
-//!   cache's (`fp16_body`: an FP16 copy of the loop body for cuBLAS prefill GEMMs).
+//!   cache's (`fp16_body`: an FP16 copy of the block weights for cuBLAS prefill GEMMs).
 //!
 //! Modules, one job each: `driver` (driver calls, device memory, launches), `gpu` (the
 //! process-wide context, properties and kernels), `kernels` (NVRTC and the kernel cache),
@@ -247,7 +247,7 @@ impl CudaBackend {
     }
 
     /// After `Weights::load`: wait for the uploads and describe how the loop body (kept
-    /// L2-resident, `prepare_loop_weight`) fits the L2.
+    /// L2-resident, `prepare_block_weight`) fits the L2.
     pub fn finish_load(&self, weights: &Weights<CudaBackend>) -> Result<String> {
         self.sync()?;
         let body_bytes = weights.body.live_bytes();
@@ -477,8 +477,10 @@ impl Backend for CudaBackend {
 
     // The loop body is re-read at every iteration: plain loads keep it in L2, while every other
     // weight is streamed with evict-first loads.
-    fn prepare_loop_weight(&self, w: &CudaLinear) -> Result<()> {
-        w.streamed.store(false, Ordering::Relaxed);
+    fn prepare_block_weight(&self, w: &CudaLinear, looped: bool) -> Result<()> {
+        if looped {
+            w.streamed.store(false, Ordering::Relaxed);
+        }
         if self.fp16_body {
             self.attach_fp16_copy(w)?;
         }
