@@ -240,9 +240,16 @@ impl Session {
         if tokens.len() < 2 {
             return Err(Error::invalid("logprobs needs at least 2 tokens"));
         }
-        let logits = self.score(tokens, loops)?;
-        let vocab = self.config().vocab_size;
-        Ok(generate::logprobs_from_logits(&logits, tokens, vocab))
+        self.start_call(None)?;
+        let loops = self.check_score(tokens, loops)?;
+        let cancel = self.cancel.clone();
+        // One step (check_score), so these are the values `score`'s logits give, read out 16
+        // rows at a time instead of materializing n × vocab logits on the host.
+        let result = with_backend!(self, |b, w, buf| generate::logprobs_chunked(
+            b, w, buf, tokens, loops, &cancel
+        ));
+        self.account();
+        result
     }
 
     /// `log p(tokens[i + 1] | tokens[..=i])`, `n − 1` values, computed in steps of at most the

@@ -319,8 +319,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Wait until the work issued so far has finished (before other streams read its results).
     fn synchronize(&self) -> Result<()>;
 
+    /// Copy `out.len()` values starting at `offset` into `out` on the host (waits for the
+    /// device).
+    fn read_float_into(&self, x: &Self::Float, offset: usize, out: &mut [f32]) -> Result<()>;
+
     /// Copy `len` values starting at `offset` to the host (waits for the device).
-    fn read_float(&self, x: &Self::Float, offset: usize, len: usize) -> Result<Vec<f32>>;
+    fn read_float(&self, x: &Self::Float, offset: usize, len: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; len];
+        self.read_float_into(x, offset, &mut out)?;
+        Ok(out)
+    }
 
     /// Upload host values into a float buffer (used for constant tables).
     fn write_float(&self, x: &mut Self::Float, values: &[f32]) -> Result<()>;

@@ -256,8 +256,8 @@ impl Backend for CaptureBackend {
         Ok(())
     }
 
-    fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
-        CpuBackend.read_float(x, offset, len)
+    fn read_float_into(&self, x: &Vec<f32>, offset: usize, out: &mut [f32]) -> Result<()> {
+        CpuBackend.read_float_into(x, offset, out)
     }
 
     fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {

@@ -245,12 +245,16 @@ pub(crate) fn decode<B: Backend>(
 /// Logits as returned to a caller, who must never receive NaN or infinity: finite weights can
 /// still overflow the f16 intermediates (docs/FORMAT.md "Numerics"), and that is an error.
 pub(crate) fn finite(logits: Vec<f32>) -> Result<Vec<f32>> {
-    match logits.iter().position(|v| !v.is_finite()) {
-        None => Ok(logits),
-        Some(i) => Err(Error::Format(format!(
-            "the model's arithmetic overflowed: a logit is {} (weights too large for f16 \
-             activations)",
-            logits[i]
+    check_finite(&logits)?;
+    Ok(logits)
+}
+
+fn check_finite(logits: &[f32]) -> Result<()> {
+    match logits.iter().find(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(v) => Err(Error::Format(format!(
+            "the model's arithmetic overflowed: a logit is {v} (weights too large for f16 \
+             activations)"
         ))),
     }
 }
@@ -288,11 +292,12 @@ pub fn score<B: Backend>(
     let n = tokens.len();
     forward(backend, w, buf, whole(tokens), loops, cancel)?;
     final_norm(backend, w, buf, n);
-    let mut out = Vec::with_capacity(n * vocab);
-    for first in (0..n).step_by(LOGIT_ROWS) {
-        let rows = LOGIT_ROWS.min(n - first);
-        logits(backend, w, buf, first, rows);
-        out.extend(finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?);
+    // Each group of rows is copied straight to its place in the result.
+    let mut out: Vec<f32> = crate::alloc::zeroed(n * vocab, "the logits of a score call")?;
+    for (first, rows) in out.chunks_mut(LOGIT_ROWS * vocab).enumerate() {
+        logits(backend, w, buf, first * LOGIT_ROWS, rows.len() / vocab);
+        backend.read_float_into(&buf.logits, 0, rows)?;
+        check_finite(rows)?;
     }
     Ok(out)
 }
@@ -325,6 +330,7 @@ pub fn logprobs_chunked<B: Backend>(
 ) -> Result<Vec<f32>> {
     let (vocab, n, step) = (w.config.vocab_size, tokens.len(), buf.max_rows);
     let mut out = Vec::with_capacity(n - 1);
+    let mut values: Vec<f32> = crate::alloc::zeroed(LOGIT_ROWS * vocab, "a group of logits")?;
     for (i, chunk) in tokens.chunks(step).enumerate() {
         let start_pos = i * step;
         let input = StepInput {
@@ -337,7 +343,9 @@ pub fn logprobs_chunked<B: Backend>(
         for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
             let rows = LOGIT_ROWS.min(chunk.len() - first);
             logits(backend, w, buf, first, rows);
-            let values = finite(backend.read_float(&buf.logits, 0, rows * vocab)?)?;
+            let values = &mut values[..rows * vocab];
+            backend.read_float_into(&buf.logits, 0, values)?;
+            check_finite(values)?;
             for (r, row) in values.chunks_exact(vocab).enumerate() {
                 if let Some(&next) = tokens.get(start_pos + first + r + 1) {
                     out.push(logprob(row, next));
@@ -355,15 +363,6 @@ pub(crate) fn whole(tokens: &[u32]) -> StepInput<'_> {
         start_pos: 0,
         choice: Choice::Greedy,
     }
-}
-
-/// `log p(tokens[i + 1] | tokens[..=i])` for `i < n − 1`, from f64 log-softmax of each row.
-pub fn logprobs_from_logits(logits: &[f32], tokens: &[u32], vocab: usize) -> Vec<f32> {
-    tokens
-        .windows(2)
-        .enumerate()
-        .map(|(i, pair)| logprob(&logits[i * vocab..(i + 1) * vocab], pair[1]))
-        .collect()
 }
 
 /// `log softmax(row)[token]`, in f64.

@@ -272,8 +272,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn read_float(&self, x: &Vec<f32>, offset: usize, len: usize) -> Result<Vec<f32>> {
-        Ok(x[offset..offset + len].to_vec())
+    fn read_float_into(&self, x: &Vec<f32>, offset: usize, out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(&x[offset..offset + out.len()]);
+        Ok(())
     }
 
     fn write_float(&self, x: &mut Vec<f32>, values: &[f32]) -> Result<()> {

@@ -646,26 +646,20 @@ impl Backend for CudaBackend {
         self.sync()
     }
 
-    fn read_float(&self, x: &DevBuf, offset: usize, len: usize) -> Result<Vec<f32>> {
+    fn read_float_into(&self, x: &DevBuf, offset: usize, out: &mut [f32]) -> Result<()> {
         assert!(
-            (offset + len) * 4 <= x.bytes,
+            (offset + out.len()) * 4 <= x.bytes,
             "read past the end of a device buffer"
         );
         self.check()?;
-        let mut out = vec![0f32; len];
         self.gpu.bind()?;
-        // SAFETY: the source range lies inside `x` (asserted) and `out` holds `len` values; the
+        // SAFETY: the source range lies inside `x` (asserted) and `out` holds as many values; the
         // copy is stream-ordered after the work that produced `x`, and we wait for it below.
         unsafe {
-            result::memcpy_dtoh_async(
-                &mut out,
-                x.ptr + (offset * 4) as u64,
-                self.stream.cu_stream(),
-            )
+            result::memcpy_dtoh_async(out, x.ptr + (offset * 4) as u64, self.stream.cu_stream())
         }
         .map_err(|e| device_error("copying to the host", e))?;
-        self.sync()?;
-        Ok(out)
+        self.sync()
     }
 
     fn write_float(&self, x: &mut DevBuf, values: &[f32]) -> Result<()> {
