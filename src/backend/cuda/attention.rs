@@ -115,7 +115,16 @@ impl CudaBackend {
         let heads = layout.heads;
         if layout.mode == KvMode::Fp16 {
             let f16 = self.f16_entries(kv, at.own());
-            let work = (heads.n_heads + heads.n_kv_heads) * heads.head_dim / 2 + heads.kv_dim();
+            // Two pairs and two V values per thread where the vector accesses are aligned.
+            let pairs_aligned =
+                heads.head_dim.is_multiple_of(4) && f16.slot_stride.is_multiple_of(2);
+            let width = if pairs_aligned && (f16.k | f16.v).is_multiple_of(4) {
+                2
+            } else {
+                1
+            };
+            let pairs = (heads.n_heads + heads.n_kv_heads) * heads.head_dim / 2;
+            let work = (pairs + heads.kv_dim()) / width;
             let args = [
                 Arg::P(qkv.ptr),
                 Arg::P(step.buf.ptr),
@@ -127,6 +136,7 @@ impl CudaBackend {
                 Arg::P(f16.v),
                 Arg::usize(f16.slot),
                 Arg::L(f16.slot_stride as i64),
+                Arg::usize(width),
             ];
             let grid = (rows as u32, work.div_ceil(256) as u32, 1);
             return self.run("rope_kv", self.gpu.kernels.rope_kv, grid, 256, 0, &args);
