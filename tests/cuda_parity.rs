@@ -580,6 +580,7 @@ fn cuda_kv_modes_match_cpu() {
                 (8, 8, 64),
                 (16, 16, 128),
                 (4, 1, 24),
+                (2, 1, 6), // head_dim % 4 != 0: rope_kv's one-pair-per-thread path
             ]
         };
         for &(n_heads, n_kv_heads, head_dim) in shapes {
