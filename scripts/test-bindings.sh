@@ -43,6 +43,9 @@ CC="${CC:-cc}"
 OUTSIDE="$(mktemp -d "${TMPDIR:-/tmp}/tinyloop-bindings.XXXXXX")"
 trap 'rm -rf "$OUTSIDE"' EXIT
 PREFIX="$OUTSIDE/prefix"
+# Go caches cgo link flags from pkg-config without noticing a new prefix: a cache shared with an
+# earlier run links against that run's deleted prefix. Each run gets its own.
+export GOCACHE="$OUTSIDE/go-cache"
 # Kernels compiled for the install are reused by the wheel build.
 export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
