@@ -11,7 +11,7 @@ use std::ptr;
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 
-use common::ffi::{gen_params, last_error, open, Handle};
+use common::ffi::{gen_params, last_error, model_params, open, Handle};
 use tinyloop::ffi::*;
 use tinyloop::model::synth::{preset, random_model};
 use tinyloop::{Device, GenerateParams, Model, ModelOptions, SamplingParams};
@@ -659,14 +659,7 @@ fn last_error_is_per_thread() {
 #[test]
 fn model_params_of_an_earlier_header_version_are_accepted() {
     let path = model_file("tiny");
-    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { tl_model_default_params(params.as_mut_ptr()) },
-        tl_status::TL_OK
-    );
-    // SAFETY: initialized by the call above.
-    let mut params = unsafe { params.assume_init() };
+    let mut params = model_params();
     let device = CString::new("cpu").unwrap();
     let garbage = CString::new("not a mode").unwrap();
     params.device = device.as_ptr();
@@ -708,14 +701,7 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
 #[test]
 fn model_params_fp16_body_is_checked_and_versioned() {
     let path = model_file("tiny");
-    let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { tl_model_default_params(params.as_mut_ptr()) },
-        tl_status::TL_OK
-    );
-    // SAFETY: initialized by the call above.
-    let mut params = unsafe { params.assume_init() };
+    let mut params = model_params();
     assert_eq!(params.fp16_body, -1, "default: follow the environment");
     let device = CString::new("cpu").unwrap();
     params.device = device.as_ptr();

@@ -28,7 +28,8 @@ pub fn last_error() -> String {
         .into_owned()
 }
 
-pub fn open(path: &std::path::Path, max_seq_len: u32) -> Handle {
+/// `tl_model_default_params`, checked.
+pub fn model_params() -> tl_model_params {
     let mut params = std::mem::MaybeUninit::<tl_model_params>::uninit();
     // SAFETY: a valid out-pointer.
     assert_eq!(
@@ -36,7 +37,11 @@ pub fn open(path: &std::path::Path, max_seq_len: u32) -> Handle {
         tl_status::TL_OK
     );
     // SAFETY: initialized by the call above.
-    let mut params = unsafe { params.assume_init() };
+    unsafe { params.assume_init() }
+}
+
+pub fn open(path: &std::path::Path, max_seq_len: u32) -> Handle {
+    let mut params = model_params();
     let device = CString::new("cpu").unwrap();
     params.device = device.as_ptr();
     params.max_seq_len = max_seq_len;
