@@ -1,17 +1,22 @@
 // Causal attention of a multi-row step over f16 K and V (the fp16 KV mode), on the tensor cores.
 //
-// grid (query tiles, n_heads), FA_THREADS threads; each warp owns 16 query rows of the block's
-// FA_BQ. Row r (position start_pos + r) attends to positions 0..start_pos + r. Key tiles start at
-// multiples of FA_BK from position 0, whatever the step's start, so a row's sums run over the same
-// tiles in the same order however the prompt was chunked: tiles past a row's position are masked
-// entirely and leave its state unchanged (max unchanged, correction 2^0 = 1, p = 0).
+// grid (n_heads, 2 x query tiles), FA_THREADS threads; each warp owns 16 query rows of the block's
+// FA_BQ. Row r (position p = start_pos + r) attends to positions 0..p, which fall in the key
+// tiles 0..T-1, T = p / FA_BK + 1. Key tiles start at multiples of FA_BK from position 0, whatever
+// the step's start. The row's tiles are split in two parts by its own position: part A is tiles
+// [0, ceil(T/2)), part B the rest, each summed by its own block with its own running max and sum,
+// and the two are merged at the end. So the longest chain of tiles a block runs is half a row's,
+// and a row's sums run over the same tiles in the same order however the prompt was chunked:
+// tiles outside a row's part are masked entirely and leave its state unchanged.
 //
 // Per key tile: S = Q·Kᵀ (q rounded to f16, f32 accumulation), scaled in f32 by scale · log2 e;
 // an online softmax in f32 in base 2 (running max and sum of the f32 p = 2^(s - m) per row, the
 // powers by the special function unit's ex2); p rounded to f16 for P·V (f32
-// accumulation); the output divided by the sum and rounded to f16 once (docs/FORMAT.md
-// "Numerics"). Positions past the step's last row are zero in shared memory, so stale cache
-// entries never reach a product.
+// accumulation). The two parts merge as M = max(mA, mB), L = lA 2^(mA-M) + lB 2^(mB-M),
+// O = oA 2^(mA-M) + oB 2^(mB-M); the output O / L is rounded to f16 once (docs/FORMAT.md
+// "Numerics"). The merge is symmetric in its operands, so whichever block finishes last may do
+// it. Positions past the step's last row are zero in shared memory, so stale cache entries never
+// reach a product.
 //
 // K and V tiles are double-buffered in dynamic shared memory (sized by src/backend/cuda/flash.rs):
 // the next tile's cp.async copies run while the tensor cores work on this one. Fragments come
@@ -26,6 +31,8 @@
 // fit the shared memory of sm_90 (the host asks for the largest carve-out), and twelve warps per
 // SM hide the latency of each warp's dependent chain (scores, softmax, P·V) better than eight.
 #define FA_MIN_BLOCKS 3
+// Added to a query tile's ticket when the first of its two blocks has left its partial sums.
+#define FA_WRITTEN 16
 
 // Two values rounded to f16 (to nearest even) in one instruction, lo in the lower half.
 DEV u32 pack_f16x2(float lo, float hi) {
@@ -88,6 +95,9 @@ DEV float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// The number of key tiles in part A of a row at `pos`: half of its pos / FA_BK + 1, rounded up.
+DEV int part_a_tiles(int pos) { return (pos / FA_BK + 2) / 2; }
+
 DEV float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
@@ -97,7 +107,8 @@ template <int HD>
 DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ step, int rows,
                          int n_heads, int n_kv_heads, float scale, const f16_t* __restrict__ kc,
                          const f16_t* __restrict__ vc, long long slot_offset,
-                         f16_t* __restrict__ out) {
+                         f16_t* __restrict__ out, int* __restrict__ tickets,
+                         float* __restrict__ partials) {
     constexpr int SROW = HD + 8; // halves per shared row: padded so fragment loads avoid conflicts
     constexpr int NT = FA_BK / 8; // 8-position column blocks of S
     typedef f16_t Tile[FA_BK][SROW];
@@ -107,16 +118,21 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
     kernel_start();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_BQ; // the longest tiles start first
-    const int h = blockIdx.y;
+    // Longest work first: blockIdx.y counts query tiles down from the last, parts A then B.
+    const int qt = gridDim.y / 2 - 1 - blockIdx.y / 2, part = blockIdx.y & 1;
+    const int q0 = qt * FA_BQ;
+    const int h = blockIdx.x;
     const int kvh = h / (n_heads / n_kv_heads);
     const int start = step[STEP_START_POS];
     const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;
     const int last = start + rows - 1;
-    const int block_last = start + min(q0 + FA_BQ, rows) - 1;
-    const int warp_last = start + q0 + warp * 16 + 15;
+    const int block_first = start + q0, block_last = start + min(q0 + FA_BQ, rows) - 1;
+    const int warp_first = start + q0 + warp * 16, warp_last = warp_first + 15;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8; // this thread's rows
     const int pos0 = start + r0, pos1 = start + r1;
+    // This part's key tiles [lo, hi) for a row at `pos`; both bounds grow with pos.
+    auto lo_tile = [&](int pos) { return part == 0 ? 0 : part_a_tiles(pos); };
+    auto hi_tile = [&](int pos) { return part == 0 ? part_a_tiles(pos) : pos / FA_BK + 1; };
     const float scale_log2 = __fmul_rn(scale, 1.44269504f); // log2 e, rounded to f32
 
     u32 qf[HD / 16][4];
@@ -162,9 +178,9 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
     };
     // This lane's row of the 8x8 matrices its ldmatrix loads (matrix mi = lane / 8).
     const int mrow = lane & 7, mi = lane >> 3;
-    const int tiles = block_last / FA_BK + 1;
-    load_tile(0);
-    for (int kt = 0; kt < tiles; kt++) {
+    const int first_tile = lo_tile(block_first), tiles = hi_tile(block_last);
+    if (first_tile < tiles) load_tile(first_tile);
+    for (int kt = first_tile; kt < tiles; kt++) {
         const int k0 = kt * FA_BK;
         if (kt + 1 < tiles) {
             load_tile(kt + 1); // into the stage the previous iteration finished with
@@ -175,7 +191,8 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
         __syncthreads(); // tile kt is in shared memory for every warp
         const Tile& ks = Ks[kt & 1];
         const Tile& vs = Vs[kt & 1];
-        if (k0 <= warp_last) { // past every row of this warp, the tile would change nothing
+        // Outside the part of every row of this warp, the tile would change nothing.
+        if (kt >= lo_tile(warp_first) && kt < hi_tile(warp_last)) {
             float s[NT][4];
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -200,13 +217,16 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
             for (int j = 0; j < NT; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[j][e] = __fmul_rn(s[j][e], scale_log2);
-            if (k0 + FA_BK - 1 > start + q0 + warp * 16) { // the tile reaches past a row: mask
+            // Mask where a row's part or its position may end inside or before this tile.
+            if (kt < lo_tile(warp_last) || kt + 1 >= hi_tile(warp_first)) {
+                const bool in0 = kt >= lo_tile(pos0) && kt < hi_tile(pos0);
+                const bool in1 = kt >= lo_tile(pos1) && kt < hi_tile(pos1);
 #pragma unroll
                 for (int j = 0; j < NT; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int p = k0 + 8 * j + 2 * t + (e & 1);
-                        if (p > (e >= 2 ? pos1 : pos0)) s[j][e] = NEG_INF;
+                        if (e >= 2 ? !in1 || p > pos1 : !in0 || p > pos0) s[j][e] = NEG_INF;
                     }
             }
             float mx0 = NEG_INF, mx1 = NEG_INF;
@@ -216,15 +236,17 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
                 mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
             }
             const float m0 = fmaxf(m[0], quad_max(mx0)), m1 = fmaxf(m[1], quad_max(mx1));
-            // Position 0 is in the first tile of every row, so m0 and m1 are finite from there on.
-            const float c0 = exp2_approx(m[0] - m0), c1 = exp2_approx(m[1] - m1);
+            // A row none of whose positions was summed yet keeps m = -inf; it subtracts 0
+            // instead, so that its p and correction are 0 rather than 2^(-inf + inf).
+            const float b0 = m0 == NEG_INF ? 0.0f : m0, b1 = m1 == NEG_INF ? 0.0f : m1;
+            const float c0 = exp2_approx(m[0] - b0), c1 = exp2_approx(m[1] - b1);
             float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                s[j][0] = exp2_approx(s[j][0] - m0);
-                s[j][1] = exp2_approx(s[j][1] - m0);
-                s[j][2] = exp2_approx(s[j][2] - m1);
-                s[j][3] = exp2_approx(s[j][3] - m1);
+                s[j][0] = exp2_approx(s[j][0] - b0);
+                s[j][1] = exp2_approx(s[j][1] - b0);
+                s[j][2] = exp2_approx(s[j][2] - b1);
+                s[j][3] = exp2_approx(s[j][3] - b1);
                 sum0 += s[j][0] + s[j][1];
                 sum1 += s[j][2] + s[j][3];
             }
@@ -263,31 +285,90 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
         __syncthreads(); // every warp is done with this stage before it is loaded again
     }
 
+    // The first of the query tile's two blocks to finish leaves its (o, m, l); the second
+    // merges them with its own and writes the output.
+    float* slot = partials + ((size_t)qt * n_heads + h) * (FA_BQ * (HD + 2));
+    float* slot_m = slot + FA_BQ * HD;
+    float* slot_l = slot_m + FA_BQ;
+    int* ticket = tickets + (size_t)qt * n_heads + h;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8; // rows within the tile
+    __shared__ int arrival;
+    if (tid == 0) arrival = atomicAdd(ticket, 1);
+    __syncthreads();
+    if (arrival == 0) {
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            *(float2*)&slot[lr0 * HD + 8 * n + 2 * t] = make_float2(o[n][0], o[n][1]);
+            *(float2*)&slot[lr1 * HD + 8 * n + 2 * t] = make_float2(o[n][2], o[n][3]);
+        }
+        if (t == 0) {
+            slot_m[lr0] = m[0];
+            slot_m[lr1] = m[1];
+            slot_l[lr0] = l[0];
+            slot_l[lr1] = l[1];
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(ticket, FA_WRITTEN);
+        return;
+    }
+    if (tid == 0) {
+        // The partner took the first ticket, so it is running and owes only its stores.
+        while (atomicAdd(ticket, 0) < FA_WRITTEN) __nanosleep(64);
+        __threadfence();
+    }
+    __syncthreads();
+
+    // Merge: part A's row sums with part B's, rows that sum no tile of a part (m = -inf, l = 0,
+    // o = 0) taking a factor 0 for it. Every row sums tile 0 in part A, so M is finite.
+    float fa[2], fb[2], sum_l[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int lr = i == 0 ? lr0 : lr1;
+        const float m_other = __ldcg(&slot_m[lr]), l_other = __ldcg(&slot_l[lr]);
+        const float ma = part == 0 ? m[i] : m_other, mb = part == 0 ? m_other : m[i];
+        const float la = part == 0 ? l[i] : l_other, lb = part == 0 ? l_other : l[i];
+        const float mm = fmaxf(ma, mb);
+        fa[i] = ma == mm ? 1.0f : exp2_approx(ma - mm);
+        fb[i] = mb == mm ? 1.0f : exp2_approx(mb - mm);
+        sum_l[i] = __fadd_rn(__fmul_rn(la, fa[i]), __fmul_rn(lb, fb[i])); // the merged sum L
+    }
+    // This block's factor, and the partner's.
+    const float fm0 = part == 0 ? fa[0] : fb[0], fo0 = part == 0 ? fb[0] : fa[0];
+    const float fm1 = part == 0 ? fa[1] : fb[1], fo1 = part == 0 ? fb[1] : fa[1];
+    auto merged = [](float mine, float f_mine, float other, float f_other, float sum) {
+        return f32_to_f16(__fdiv_rn(__fadd_rn(__fmul_rn(mine, f_mine), __fmul_rn(other, f_other)), sum));
+    };
     f16_t* out0 = out + (size_t)r0 * q_dim + (size_t)h * HD + 2 * t;
     f16_t* out1 = out + (size_t)r1 * q_dim + (size_t)h * HD + 2 * t;
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) {
+        const float2 p0 = __ldcg((const float2*)&slot[lr0 * HD + 8 * n + 2 * t]);
+        const float2 p1 = __ldcg((const float2*)&slot[lr1 * HD + 8 * n + 2 * t]);
         if (r0 < rows) {
-            out0[8 * n] = f32_to_f16(__fdiv_rn(o[n][0], l[0]));
-            out0[8 * n + 1] = f32_to_f16(__fdiv_rn(o[n][1], l[0]));
+            out0[8 * n] = merged(o[n][0], fm0, p0.x, fo0, sum_l[0]);
+            out0[8 * n + 1] = merged(o[n][1], fm0, p0.y, fo0, sum_l[0]);
         }
         if (r1 < rows) {
-            out1[8 * n] = f32_to_f16(__fdiv_rn(o[n][2], l[1]));
-            out1[8 * n + 1] = f32_to_f16(__fdiv_rn(o[n][3], l[1]));
+            out1[8 * n] = merged(o[n][2], fm1, p1.x, fo1, sum_l[1]);
+            out1[8 * n + 1] = merged(o[n][3], fm1, p1.y, fo1, sum_l[1]);
         }
     }
+    __syncthreads(); // every read of the partner's slot is done: the ticket is free again
+    if (tid == 0) *ticket = 0;
 }
 
 // K and V of the step's slot start at kc + slot_offset and vc + slot_offset (f16 values),
 // positions kv_dim apart; the host checks 16-byte alignment of rows and launches with
-// 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory.
+// 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory. tickets (zero between
+// launches) and partials hold a slot per (query tile, head): an int, FA_BQ x (HD + 2) floats.
 #define FLASH_KERNEL(HD)                                                                           \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)                        \
         flash_attention_hd##HD(const float* qkv, const int* step, int rows, int n_heads,           \
                                int n_kv_heads, float scale, const f16_t* kc, const f16_t* vc,      \
-                               long long slot_offset, f16_t* out) {                                \
-        flash_attention<HD>(qkv, step, rows, n_heads, n_kv_heads, scale, kc, vc, slot_offset,      \
-                            out);                                                                  \
+                               long long slot_offset, f16_t* out, int* tickets, float* partials) { \
+        flash_attention<HD>(qkv, step, rows, n_heads, n_kv_heads, scale, kc, vc, slot_offset, out, \
+                            tickets, partials);                                                    \
     }
 
 FLASH_KERNEL(16)

@@ -324,11 +324,14 @@ impl Session {
         result
     }
 
-    /// Bytes of device memory this session holds (buffers and KV cache).
+    /// Bytes of device memory this session holds (buffers, step scratch and KV cache).
     pub fn memory_bytes(&self) -> usize {
         match &self.state {
             SessionState::Cpu(buf) => buf.bytes + buf.kv.bytes(),
-            SessionState::Cuda(s) => s.buffers.bytes + s.buffers.kv.bytes() + s.backend.own_bytes(),
+            SessionState::Cuda(s) => {
+                let b = &s.buffers;
+                b.bytes + b.kv.bytes() + b.step().bytes() + s.backend.own_bytes()
+            }
         }
     }
 

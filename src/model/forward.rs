@@ -174,6 +174,11 @@ impl<B: Backend> Buffers<B> {
         })
     }
 
+    /// The step block (inputs and the backend's per-step scratch).
+    pub fn step(&self) -> &B::Step {
+        &self.step
+    }
+
     /// The residual stream, `max_rows × dim` f32.
     pub fn residual(&self) -> &B::Float {
         &self.x

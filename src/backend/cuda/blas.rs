@@ -62,6 +62,13 @@ unsafe impl Send for Blas {}
 // SAFETY: as above; no method mutates shared state without the owning backend's exclusive use.
 unsafe impl Sync for Blas {}
 
+/// The element type of a GEMM's output.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Output {
+    F32,
+    F16,
+}
+
 impl Blas {
     /// A handle issuing work to `stream` of `gpu`'s context (cuBLAS must be loaded: [`load`]).
     pub(super) fn new(gpu: &Arc<Gpu>, stream: cudarc::driver::sys::CUstream) -> Result<Blas> {
@@ -110,16 +117,17 @@ impl Blas {
     }
 
     /// `out[r][c] (+)= Σₖ x[r][k] · w[c][k]` for `rows` rows: x `[rows, k]` f16, w `[n, k]` f16
-    /// (row-major), out `[rows, n]` f32; products of f16 values accumulated in f32.
+    /// (row-major), out `[rows, n]` of `out_type`; products of f16 values accumulated in f32,
+    /// rounded once to the output's type.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_f16_f32(
+    pub(super) fn gemm_f16(
         &self,
         x: u64,
         rows: usize,
         k: usize,
         w: u64,
         n: usize,
-        out: u64,
+        (out, out_type): (u64, Output),
         accumulate: bool,
     ) -> Result<()> {
         let dim = |v: usize, what: &str| {
@@ -147,7 +155,10 @@ impl Blas {
                 kk,
                 &beta as *const f32 as *const c_void,
                 out as *mut c_void,
-                cublas::cudaDataType::CUDA_R_32F,
+                match out_type {
+                    Output::F32 => cublas::cudaDataType::CUDA_R_32F,
+                    Output::F16 => cublas::cudaDataType::CUDA_R_16F,
+                },
                 m,
                 cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -6,6 +6,7 @@ use super::attention::{CudaKv, F16Entries};
 use super::driver::{Arg, DevBuf};
 use super::step::CudaStep;
 use super::{kernels, CudaBackend};
+use crate::error::Result;
 use crate::kv::{KvCache, KvMode};
 
 /// Query rows per block (cuda/flash.cu `FA_BQ`).
@@ -15,6 +16,15 @@ const THREADS: u32 = 128;
 /// Positions per key tile (cuda/flash.cu `FA_BK`).
 const TILE_KEYS: usize = 64;
 
+/// The kernel's scratch for steps of up to some number of rows: a ticket per (query tile, head),
+/// zero between launches, then a slot per (query tile, head) for the partial sums of the first of
+/// its two blocks to finish, `BLOCK_ROWS` × (head_dim + 2) floats.
+pub(super) struct FlashScratch {
+    pub(super) buf: DevBuf,
+    /// Byte offset of the partial sums in `buf`.
+    partials: usize,
+}
+
 /// Dynamic shared memory of the kernel for head dimension `hd`: two stages of a K and a V tile,
 /// rows padded by 8 halves (cuda/flash.cu). 69 632 bytes at `hd` = 128.
 pub(super) fn smem_bytes(hd: usize) -> usize {
@@ -22,6 +32,24 @@ pub(super) fn smem_bytes(hd: usize) -> usize {
 }
 
 impl CudaBackend {
+    /// The kernel's scratch for steps of up to `max_rows` rows of `n_heads` heads of `hd`; none
+    /// where the kernel has no variant for `hd` or no step has more than one row.
+    pub(super) fn new_flash_scratch(
+        &self,
+        max_rows: usize,
+        n_heads: usize,
+        hd: usize,
+    ) -> Result<Option<Box<FlashScratch>>> {
+        if max_rows < 2 || !kernels::FLASH_HD.contains(&hd) {
+            return Ok(None);
+        }
+        let slots = max_rows.div_ceil(BLOCK_ROWS) * n_heads;
+        let partials = (slots * 4).div_ceil(256) * 256;
+        let bytes = partials + slots * BLOCK_ROWS * (hd + 2) * 4;
+        let buf = self.gpu.zeroed(bytes, "flash attention scratch")?;
+        Ok(Some(Box::new(FlashScratch { buf, partials })))
+    }
+
     /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel; false (and
     /// nothing launched) when the shape is not one it takes: an uninstantiated head dimension,
     /// cache rows not 16-byte aligned, or a device with too little shared memory per block.
@@ -37,6 +65,9 @@ impl CudaBackend {
         let heads = kv.layout.heads;
         let hd = heads.head_dim;
         let Some(variant) = kernels::FLASH_HD.iter().position(|&d| d == hd) else {
+            return false;
+        };
+        let Some(scratch) = step.flash.as_ref() else {
             return false;
         };
         let slot_offset = entries.slot * entries.slot_stride;
@@ -57,8 +88,15 @@ impl CudaBackend {
             Arg::P(entries.v),
             Arg::L(slot_offset as i64),
             Arg::P(out.ptr),
+            Arg::P(scratch.buf.ptr),
+            Arg::P(scratch.buf.ptr + scratch.partials as u64),
         ];
-        let grid = (rows.div_ceil(BLOCK_ROWS) as u32, heads.n_heads as u32, 1);
+        // Two blocks (the parts of the rows' key tiles) per query tile and head.
+        let grid = (
+            heads.n_heads as u32,
+            2 * rows.div_ceil(BLOCK_ROWS) as u32,
+            1,
+        );
         let f = self.gpu.kernels.flash_attention[variant];
         self.run("flash_attention", f, grid, THREADS, smem, &args);
         true

@@ -6,14 +6,15 @@
 //!
 //! Numerics (docs/FORMAT.md "The FP16 body cache"): each weight is dequantized as
 //! `scale · q + zero` in f32 (the CPU reference's rule) and rounded once to f16; products are
-//! accumulated in f32. Decode rows (the GEMV path) keep reading the codes, so only products of
-//! more rows than the GEMV takes change.
+//! accumulated in f32, the gate and up products written as f16 for SwiGLU (half the bytes).
+//! Decode rows (the GEMV path) keep reading the codes, so only products of more rows than the
+//! GEMV takes change.
 
 use rayon::prelude::*;
 
 use half::f16;
 
-use super::blas::{self, Blas};
+use super::blas::{self, Blas, Output};
 use super::{CudaBackend, CudaLinear};
 use crate::backend::HostLinear;
 use crate::error::{Error, Result};
@@ -96,8 +97,14 @@ impl CudaBackend {
         Ok(buf)
     }
 
-    /// `out[r] (+)= x[r] · w[range]ᵀ` through cuBLAS on the FP16 copy of `w`, if it has one
-    /// and this backend a cuBLAS handle (sessions do); returns whether it ran. A cuBLAS failure is
+    /// Whether products with `w` run through cuBLAS on its FP16 copy: it has one and this
+    /// backend a cuBLAS handle (sessions do).
+    pub(super) fn has_fp16_product(&self, w: &CudaLinear) -> bool {
+        w.fp16.get().is_some() && self.blas.is_some()
+    }
+
+    /// `out[r] (+)= x[r] · w[range]ᵀ` through cuBLAS on the FP16 copy of `w`, `out` of the given
+    /// element type, if [`Self::has_fp16_product`]; returns whether it ran. A cuBLAS failure is
     /// remembered and returned by the next call that returns a `Result`.
     pub(super) fn fp16_product(
         &self,
@@ -105,7 +112,7 @@ impl CudaBackend {
         rows: usize,
         w: &CudaLinear,
         range: &std::ops::Range<usize>,
-        out: u64,
+        out: (u64, Output),
         accumulate: bool,
     ) -> bool {
         let (Some(copy), Some(blas)) = (w.fp16.get(), self.blas.as_ref()) else {
@@ -115,7 +122,7 @@ impl CudaBackend {
         let r = self
             .gpu
             .bind()
-            .and_then(|_| blas.gemm_f16_f32(x, rows, w.cols, first, range.len(), out, accumulate));
+            .and_then(|_| blas.gemm_f16(x, rows, w.cols, first, range.len(), out, accumulate));
         if let Err(e) = r {
             self.remember(e.to_string());
         }

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
+use super::blas::Output;
 use super::driver::{Arg, DevBuf};
 use super::{blocks_for, kernels, CudaBackend};
 use crate::backend::{HostLinear, NormLayer, OwnedLinear};
@@ -240,7 +241,7 @@ impl CudaBackend {
         out: u64,
         accumulate: bool,
     ) {
-        if self.fp16_product(x, rows, w, &range, out, accumulate) {
+        if self.fp16_product(x, rows, w, &range, (out, Output::F32), accumulate) {
             return;
         }
         let n = range.len();
@@ -417,6 +418,27 @@ impl CudaBackend {
                         Arg::usize(gate.group_arg()),
                         Arg::I(gate.tpr as i32),
                         Arg::I(gate.streamed.load(Ordering::Relaxed) as i32),
+                        Arg::P(out.ptr),
+                    ],
+                );
+            }
+            None if self.has_fp16_product(gate) && self.has_fp16_product(up) => {
+                // cuBLAS writes gate and up as f16 (half the bytes SwiGLU reads) into the
+                // first half of their f32 buffers.
+                let all = 0..gate.rows;
+                self.fp16_product(x.ptr, rows, gate, &all, (gate_buf.ptr, Output::F16), false);
+                self.fp16_product(x.ptr, rows, up, &all, (up_buf.ptr, Output::F16), false);
+                let len = rows * gate.rows;
+                self.run(
+                    "swiglu_half",
+                    self.gpu.kernels.swiglu_half,
+                    (blocks_for(len, 256), 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(gate_buf.ptr),
+                        Arg::P(up_buf.ptr),
+                        Arg::usize(len),
                         Arg::P(out.ptr),
                     ],
                 );

@@ -92,6 +92,9 @@ pub struct CudaBackend {
     /// Argmax slots and, for sessions, the attention tickets and split partials (SCRATCH_*).
     scratch: DevBuf,
     split_floats: usize,
+    /// Heads and head dimension of the session's model (none for a model's own backend), which
+    /// size the per-step scratch of multi-row attention.
+    attention_heads: Option<(usize, usize)>,
     /// Byte offset of the attention split partials in `scratch`.
     partial_offset: usize,
     /// The first launch failure since the last call that returned a `Result`.
@@ -154,6 +157,7 @@ impl CudaBackend {
             stream,
             scratch,
             split_floats,
+            attention_heads: None,
             partial_offset,
             error: Mutex::new(None),
             graphs: switch_on("TINYLOOP_CUDA_GRAPHS"),
@@ -178,6 +182,7 @@ impl CudaBackend {
         };
         let tickets = SPLIT_ROWS * config.n_heads;
         let mut backend = CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)?;
+        backend.attention_heads = Some((config.n_heads, hd));
         if self.fp16_body {
             backend.blas = Some(Box::new(backend.new_blas()?));
             backend.fp16_body = true; // its re-packed and restored loop bodies get copies too

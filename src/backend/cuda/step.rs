@@ -5,6 +5,7 @@
 use cudarc::driver::result;
 
 use super::driver::{device_error, Arg, DevBuf};
+use super::flash::FlashScratch;
 use super::graph::Graph;
 use super::{
     CudaBackend, ARGMAX_BLOCKS, SCRATCH_ARGMAX_INDICES, SCRATCH_ARGMAX_TICKET,
@@ -37,13 +38,26 @@ pub struct CudaStep {
     choice: Choice,
     host: Vec<i32>,
     pub(super) graphs: Vec<(u64, Graph)>,
+    /// The flash attention kernel's tickets and partial sums for steps of up to `max_rows`.
+    pub(super) flash: Option<Box<FlashScratch>>,
     /// A capture was begun and not ended (only if a panic cut the ops short): the stream is still
     /// capturing and must be released before anything else runs on it.
     pub(super) capturing: bool,
 }
 
+impl CudaStep {
+    /// Device bytes of the step block and the attention scratch.
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes + self.flash.as_ref().map_or(0, |f| f.buf.bytes)
+    }
+}
+
 impl CudaBackend {
     pub(super) fn new_step(&self, max_rows: usize) -> Result<CudaStep> {
+        let flash = match self.attention_heads {
+            Some((n_heads, hd)) => self.new_flash_scratch(max_rows, n_heads, hd)?,
+            None => None,
+        };
         Ok(CudaStep {
             buf: self
                 .gpu
@@ -54,6 +68,7 @@ impl CudaBackend {
             choice: Choice::Greedy,
             host: Vec::with_capacity(STEP_HEADER + max_rows),
             graphs: Vec::new(),
+            flash,
             capturing: false,
         })
     }
