@@ -1,6 +1,6 @@
 // Causal attention of a multi-row step over f16 K and V (the fp16 KV mode), on the tensor cores.
 //
-// grid (n_heads, 2 x query tiles), FA_THREADS threads; each warp owns 16 query rows of the block's
+// grid n_heads x 2 x query tiles, FA_THREADS threads; each warp owns 16 query rows of the block's
 // FA_BQ. Row r (position p = start_pos + r) attends to positions 0..p, which fall in the key
 // tiles 0..T-1, T = p / FA_BK + 1. Key tiles start at multiples of FA_BK from position 0, whatever
 // the step's start. The row's tiles are split in two parts by its own position: part A is tiles
@@ -118,10 +118,11 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
     kernel_start();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    // Longest work first: blockIdx.y counts query tiles down from the last, parts A then B.
-    const int qt = gridDim.y / 2 - 1 - blockIdx.y / 2, part = blockIdx.y & 1;
+    // Longest work first: the heads vary fastest, then the parts (A, B), then the query tiles,
+    // counted down from the last.
+    const int h = blockIdx.x % n_heads, unit = blockIdx.x / n_heads;
+    const int qt = (rows + FA_BQ - 1) / FA_BQ - 1 - unit / 2, part = unit & 1;
     const int q0 = qt * FA_BQ;
-    const int h = blockIdx.x;
     const int kvh = h / (n_heads / n_kv_heads);
     const int start = step[STEP_START_POS];
     const int q_dim = n_heads * HD, kv_dim = n_kv_heads * HD;

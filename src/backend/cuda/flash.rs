@@ -52,7 +52,8 @@ impl CudaBackend {
 
     /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel; false (and
     /// nothing launched) when the shape is not one it takes: an uninstantiated head dimension,
-    /// cache rows not 16-byte aligned, or a device with too little shared memory per block.
+    /// cache rows not 16-byte aligned, a device with too little shared memory per block, or more
+    /// blocks than a grid holds.
     pub(super) fn flash_attend(
         &self,
         qkv: &DevBuf,
@@ -91,12 +92,13 @@ impl CudaBackend {
             Arg::P(scratch.buf.ptr),
             Arg::P(scratch.buf.ptr + scratch.partials as u64),
         ];
-        // Two blocks (the parts of the rows' key tiles) per query tile and head.
-        let grid = (
-            heads.n_heads as u32,
-            2 * rows.div_ceil(BLOCK_ROWS) as u32,
-            1,
-        );
+        // Two blocks (the parts of the rows' key tiles) per query tile and head, in the x
+        // dimension (2³¹ − 1 blocks; y's 65 535 would cap a step near 2 M rows).
+        let blocks = heads.n_heads * 2 * rows.div_ceil(BLOCK_ROWS);
+        if blocks > i32::MAX as usize {
+            return false;
+        }
+        let grid = (blocks as u32, 1, 1);
         let f = self.gpu.kernels.flash_attention[variant];
         self.run("flash_attention", f, grid, THREADS, smem, &args);
         true
