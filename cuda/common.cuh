@@ -83,6 +83,14 @@ DEV void mma16816(float* d, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// One rotated pair: (a, b) at angle (c, s), each product rounded as the CPU reference does.
+DEV float rotate_a(float a, float b, float c, float s) {
+    return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+}
+DEV float rotate_b(float a, float b, float c, float s) {
+    return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+
 DEV float lo_f16(u32 w) { return f16_to_f32((f16_t)(w & 0xffffu)); }
 DEV float hi_f16(u32 w) { return f16_to_f32((f16_t)(w >> 16)); }
 

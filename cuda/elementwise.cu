@@ -124,16 +124,11 @@ extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int lay
     }
 }
 
-// One rotated pair: (a, b) at angle (c, s), each product rounded as the CPU reference does.
-DEV float rotate_a(float a, float b, float c, float s) {
-    return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-}
-DEV float rotate_b(float a, float b, float c, float s) {
-    return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-}
-
 // Rotate the Q and K heads of each row at its position (pairs (i, i + hd/2)), then write K and V,
-// rounded to f16, into `slot` of the cache (K at kc + slot * slot_stride, V likewise).
+// rounded to f16, into `slot` of the cache (K at kc + slot * slot_stride, V likewise). Rotated Q
+// goes back into qkv; rotated K only into the cache (nothing reads it from qkv again). With
+// first_head = n_heads the Q heads are left as they are: the flash attention kernel rotates them
+// as it loads them.
 // grid (rows, ceil(work / blockDim.x)): `width` (1 or 2) adjacent pairs or V elements per thread,
 // so every thread waits for one round of loads only. Width 2 (8- and 16-byte loads, f16 pairs
 // stored as one word) needs hd % 4 == 0, an even slot_stride and 4-byte aligned caches; the
@@ -142,7 +137,7 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
                                    int n_heads, int n_kv_heads, int hd,
                                    const float* __restrict__ rope, f16_t* __restrict__ kc,
                                    f16_t* __restrict__ vc, int slot, long long slot_stride,
-                                   int width) {
+                                   int width, int first_head) {
     kernel_start();
     const int r = blockIdx.x;
     const int p = blockIdx.y * blockDim.x + threadIdx.x;
@@ -152,9 +147,9 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
     float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
     const size_t at = (size_t)slot * slot_stride + (size_t)pos * kv_dim;
     const int per_head = half / width;
-    const int items = (n_heads + n_kv_heads) * per_head;
+    const int items = (n_heads + n_kv_heads - first_head) * per_head;
     if (p < items) {
-        const int head = p / per_head, i = (p - head * per_head) * width;
+        const int head = first_head + p / per_head, i = (p % per_head) * width;
         float* h = row + head * hd;
         const float* table = rope + (size_t)pos * hd;
         f16_t* k = head >= n_heads ? kc + at + (size_t)(head - n_heads) * hd : nullptr;
@@ -165,21 +160,23 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
                                           rotate_a(a.y, b.y, cs.z, cs.w));
             const float2 rb = make_float2(rotate_b(a.x, b.x, cs.x, cs.y),
                                           rotate_b(a.y, b.y, cs.z, cs.w));
-            *(float2*)(h + i) = ra;
-            *(float2*)(h + i + half) = rb;
             if (k) {
                 *(u32*)(k + i) = (u32)f32_to_f16(ra.x) | ((u32)f32_to_f16(ra.y) << 16);
                 *(u32*)(k + i + half) = (u32)f32_to_f16(rb.x) | ((u32)f32_to_f16(rb.y) << 16);
+            } else {
+                *(float2*)(h + i) = ra;
+                *(float2*)(h + i + half) = rb;
             }
         } else {
             const float c = table[2 * i], s = table[2 * i + 1];
             const float ra = rotate_a(h[i], h[i + half], c, s);
             const float rb = rotate_b(h[i], h[i + half], c, s);
-            h[i] = ra;
-            h[i + half] = rb;
             if (k) {
                 k[i] = f32_to_f16(ra);
                 k[i + half] = f32_to_f16(rb);
+            } else {
+                h[i] = ra;
+                h[i + half] = rb;
             }
         }
     } else if (p < items + kv_dim / width) {

@@ -13,10 +13,10 @@
 // an online softmax in f32 in base 2 (running max and sum of the f32 p = 2^(s - m) per row, the
 // powers by the special function unit's ex2); p rounded to f16 for P·V (f32
 // accumulation). The two parts merge as M = max(mA, mB), L = lA 2^(mA-M) + lB 2^(mB-M),
-// O = oA 2^(mA-M) + oB 2^(mB-M); the output O / L is rounded to f16 once (docs/FORMAT.md
-// "Numerics"). The merge is symmetric in its operands, so whichever block finishes last may do
-// it. Positions past the step's last row are zero in shared memory, so stale cache entries never
-// reach a product.
+// O = oA 2^(mA-M) + oB 2^(mB-M); the output O · (1 / L), 1 / L rounded to f32, is rounded to f16
+// once (docs/FORMAT.md "Numerics"). The merge is symmetric in its operands, so whichever block
+// finishes last may do it. Positions past the step's last row are zero in shared memory, so
+// stale cache entries never reach a product.
 //
 // K and V tiles are double-buffered in dynamic shared memory (sized by src/backend/cuda/flash.rs):
 // the next tile's cp.async copies run while the tensor cores work on this one. Fragments come
@@ -55,30 +55,32 @@ DEV u32 smem_addr(const void* p) {
     return s;
 }
 
-DEV void cp_async16(void* smem, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem)
+// 16 bytes from global to shared memory, bypassing L1; `bytes` (16 or 0) of them are read and
+// the rest zero-filled, so a row past the step's end reads nothing and lands as zeros.
+DEV void cp_async16(u32 smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes)
                  : "memory");
 }
 
-// Four 8x8 f16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-DEV void ldmatrix_x4(u32* r, const void* row) {
+// Four 8x8 f16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
+DEV void ldmatrix_x4(u32* r, u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
 
 // Two 8x8 f16 matrices; lanes 0-15 give the row addresses (the others' are not read).
-DEV void ldmatrix_x2(u32* r, const void* row) {
+DEV void ldmatrix_x2(u32* r, u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
 
 // As ldmatrix_x4, each matrix transposed.
-DEV void ldmatrix_x4_trans(u32* r, const void* row) {
+DEV void ldmatrix_x4_trans(u32* r, u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+                 : "r"(row));
 }
 
 // 2^x by the special function unit (relative error below 2^-22; 2^-inf = 0; results below
@@ -103,25 +105,31 @@ DEV float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-template <int HD>
-DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ step, int rows,
+// PART (0: A, 1: B) is the block's part of its rows' key tiles, a template argument so that each
+// instantiation keeps only the tile bounds its part can have (registers are the kernel's limit).
+template <int HD, int PART>
+DEV void flash_attention(const float* __restrict__ qkv, const float* __restrict__ rope,
+                         const int* __restrict__ step, int rows,
                          int n_heads, int n_kv_heads, float scale, const f16_t* __restrict__ kc,
                          const f16_t* __restrict__ vc, long long slot_offset,
                          f16_t* __restrict__ out, int* __restrict__ tickets,
                          float* __restrict__ partials) {
     constexpr int SROW = HD + 8; // halves per shared row: padded so fragment loads avoid conflicts
     constexpr int NT = FA_BK / 8; // 8-position column blocks of S
-    typedef f16_t Tile[FA_BK][SROW];
+    // Shared memory: K stages 0 and 1, then V stages 0 and 1, each FA_BK rows of SROW halves.
+    // Addresses are kept as 32-bit shared offsets, so that every fragment load and copy of a
+    // tile is a per-thread base plus a constant the instruction encodes.
+    constexpr u32 TILE_BYTES = FA_BK * SROW * 2;
     extern __shared__ __align__(16) unsigned char fa_smem[];
-    Tile* Ks = (Tile*)fa_smem; // [2]: the two stages
-    Tile* Vs = Ks + 2;
+    const u32 smem = smem_addr(fa_smem);
     kernel_start();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     // Longest work first: the heads vary fastest, then the parts (A, B), then the query tiles,
     // counted down from the last.
     const int h = blockIdx.x % n_heads, unit = blockIdx.x / n_heads;
-    const int qt = (rows + FA_BQ - 1) / FA_BQ - 1 - unit / 2, part = unit & 1;
+    const int qt = (rows + FA_BQ - 1) / FA_BQ - 1 - unit / 2;
+    constexpr int part = PART;
     const int q0 = qt * FA_BQ;
     const int kvh = h / (n_heads / n_kv_heads);
     const int start = step[STEP_START_POS];
@@ -136,21 +144,6 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
     auto hi_tile = [&](int pos) { return part == 0 ? part_a_tiles(pos) : pos / FA_BK + 1; };
     const float scale_log2 = __fmul_rn(scale, 1.44269504f); // log2 e, rounded to f32
 
-    u32 qf[HD / 16][4];
-    {
-        const size_t stride = (size_t)q_dim + 2 * (size_t)kv_dim;
-        const float* a = qkv + (size_t)r0 * stride + (size_t)h * HD + 2 * t;
-        const float* b = qkv + (size_t)r1 * stride + (size_t)h * HD + 2 * t;
-#pragma unroll
-        for (int c = 0; c < HD / 16; c++) {
-            const int d = 16 * c;
-            qf[c][0] = r0 < rows ? pack_f16x2(a[d], a[d + 1]) : 0u;
-            qf[c][1] = r1 < rows ? pack_f16x2(b[d], b[d + 1]) : 0u;
-            qf[c][2] = r0 < rows ? pack_f16x2(a[d + 8], a[d + 9]) : 0u;
-            qf[c][3] = r1 < rows ? pack_f16x2(b[d + 8], b[d + 9]) : 0u;
-        }
-    }
-
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     float o[HD / 8][4];
 #pragma unroll
@@ -160,27 +153,87 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
 
     const f16_t* K = kc + slot_offset + (size_t)kvh * HD;
     const f16_t* V = vc + slot_offset + (size_t)kvh * HD;
+    // Tile copies: this thread moves the 16 bytes at column `copy_col` of rows copy_row +
+    // COPY_ROWS · i of a tile, for i < FA_BK / COPY_ROWS.
+    constexpr int ROW_CHUNKS = HD / 8, COPY_ROWS = FA_THREADS / ROW_CHUNKS;
+    static_assert(FA_BK % COPY_ROWS == 0, "a tile is a whole number of copy passes");
+    const int copy_row = tid / ROW_CHUNKS, copy_col = (tid % ROW_CHUNKS) * 8;
+    const u32 copy_smem = smem + (u32)(copy_row * SROW + copy_col) * 2;
     // Copy key tile kt into stage kt % 2 (positions past the step's last row as zeros).
     auto load_tile = [&](int kt) {
-        Tile& ks = Ks[kt & 1];
-        Tile& vs = Vs[kt & 1];
-        for (int i = tid; i < FA_BK * HD / 8; i += FA_THREADS) {
-            const int kr = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            const int p = kt * FA_BK + kr;
-            if (p <= last) {
-                cp_async16(&ks[kr][c], K + (size_t)p * kv_dim + c);
-                cp_async16(&vs[kr][c], V + (size_t)p * kv_dim + c);
-            } else {
-                *(uint4*)&ks[kr][c] = make_uint4(0u, 0u, 0u, 0u);
-                *(uint4*)&vs[kr][c] = make_uint4(0u, 0u, 0u, 0u);
-            }
+        const u32 ks = copy_smem + (kt & 1) * TILE_BYTES, vs = ks + 2 * TILE_BYTES;
+        const int p0 = kt * FA_BK + copy_row;
+#pragma unroll
+        for (int i = 0; i < FA_BK / COPY_ROWS; i++) {
+            const int p = p0 + i * COPY_ROWS;
+            const bool in = p <= last;
+            const size_t at = in ? (size_t)p * kv_dim + copy_col : 0;
+            const u32 so = (u32)(i * COPY_ROWS * SROW * 2);
+            cp_async16(ks + so, K + at, in ? 16 : 0);
+            cp_async16(vs + so, V + at, in ? 16 : 0);
         }
         cp_async_commit();
     };
-    // This lane's row of the 8x8 matrices its ldmatrix loads (matrix mi = lane / 8).
+    // This lane's row of the 8x8 matrices its ldmatrix loads (matrix mi = lane / 8), as shared
+    // offsets within a stage: K fragments as stored, V's transposed.
     const int mrow = lane & 7, mi = lane >> 3;
+    const u32 k_frag = smem + (u32)(mrow * SROW + 8 * mi) * 2;
+    const u32 k_frag2 = smem + (u32)(mrow * SROW + 8 * (mi & 1)) * 2; // x2 loads: lanes 0-15
+    const u32 v_frag =
+        smem + 2 * TILE_BYTES + (u32)((8 * (mi & 1) + mrow) * SROW + 8 * (mi >> 1)) * 2;
     const int first_tile = lo_tile(block_first), tiles = hi_tile(block_last);
     if (first_tile < tiles) load_tile(first_tile);
+    // Q's fragments, while the first tile's copies are in flight: this thread's dimensions
+    // 16c + 2t (+1) and 16c + 8 + 2t (+1) of its two rows, rotated at their positions exactly as
+    // rope_kv rotates (pairs (i, i + HD/2), both halves held by the same thread), then rounded.
+    u32 qf[HD / 16][4];
+    {
+        const size_t stride = (size_t)q_dim + 2 * (size_t)kv_dim;
+        float2 q[2][HD / 16][2]; // [row][chunk][dims +0 / +8]
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = i == 0 ? r0 : r1;
+            const float* src = qkv + (size_t)r * stride + (size_t)h * HD + 2 * t;
+#pragma unroll
+            for (int c = 0; c < HD / 16; c++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    q[i][c][e] = r < rows ? *(const float2*)(src + 16 * c + 8 * e)
+                                          : make_float2(0.0f, 0.0f);
+        }
+        constexpr int HALF = HD / 2;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int r = i == 0 ? r0 : r1;
+            if (r >= rows) continue;
+            const float* table = rope + (size_t)(start + r) * HD;
+#pragma unroll
+            for (int c = 0; c < HD / 16; c++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    // The lower half's pairs; the partner is HALF dimensions on: HALF / 16 chunks
+                    // later, or (HD = 16) the other half of the same chunk.
+                    const bool lower = HALF % 16 == 0 ? c < HALF / 16 : e == 0;
+                    if (!lower) continue;
+                    const int c2 = HALF % 16 == 0 ? c + HALF / 16 : c;
+                    const int e2 = HALF % 16 == 0 ? e : 1;
+                    const int d = 16 * c + 8 * e + 2 * t; // pairs d and d + 1
+                    const float4 cs = *(const float4*)(table + 2 * d);
+                    const float2 a = q[i][c][e], b = q[i][c2][e2];
+                    q[i][c][e] = make_float2(rotate_a(a.x, b.x, cs.x, cs.y),
+                                             rotate_a(a.y, b.y, cs.z, cs.w));
+                    q[i][c2][e2] = make_float2(rotate_b(a.x, b.x, cs.x, cs.y),
+                                               rotate_b(a.y, b.y, cs.z, cs.w));
+                }
+        }
+#pragma unroll
+        for (int c = 0; c < HD / 16; c++) {
+            qf[c][0] = pack_f16x2(q[0][c][0].x, q[0][c][0].y);
+            qf[c][1] = pack_f16x2(q[1][c][0].x, q[1][c][0].y);
+            qf[c][2] = pack_f16x2(q[0][c][1].x, q[0][c][1].y);
+            qf[c][3] = pack_f16x2(q[1][c][1].x, q[1][c][1].y);
+        }
+    }
     for (int kt = first_tile; kt < tiles; kt++) {
         const int k0 = kt * FA_BK;
         if (kt + 1 < tiles) {
@@ -190,8 +243,7 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
             cp_async_wait<0>();
         }
         __syncthreads(); // tile kt is in shared memory for every warp
-        const Tile& ks = Ks[kt & 1];
-        const Tile& vs = Vs[kt & 1];
+        const u32 stage = (kt & 1) * TILE_BYTES;
         // Outside the part of every row of this warp, the tile would change nothing.
         if (kt >= lo_tile(warp_first) && kt < hi_tile(warp_last)) {
             float s[NT][4];
@@ -203,12 +255,13 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
                 for (int c = 0; c < HD / 16; c += 2) {
                     // Positions 8j.., dims 16c + 8·mi: the B fragments of chunks c and c + 1.
                     u32 b[4];
+                    const u32 at = stage + (u32)(8 * j * SROW + 16 * c) * 2;
                     if (c + 1 < HD / 16) {
-                        ldmatrix_x4(b, &ks[8 * j + mrow][16 * c + 8 * mi]);
+                        ldmatrix_x4(b, k_frag + at);
                         mma16816(s[j], qf[c], b);
                         mma16816(s[j], qf[c + 1], b + 2);
                     } else { // the last chunk of an odd count (HD = 16)
-                        ldmatrix_x2(b, &ks[8 * j + mrow][16 * c + 8 * (mi & 1)]);
+                        ldmatrix_x2(b, k_frag2 + at);
                         mma16816(s[j], qf[c], b);
                     }
                 }
@@ -277,7 +330,7 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
                     // Positions 16kk + 8·(mi & 1), dims 8n + 8·(mi >> 1), transposed: the B
                     // fragments of column blocks n and n + 1.
                     u32 b[4];
-                    ldmatrix_x4_trans(b, &vs[16 * kk + 8 * (mi & 1) + mrow][8 * n + 8 * (mi >> 1)]);
+                    ldmatrix_x4_trans(b, v_frag + stage + (u32)(16 * kk * SROW + 8 * n) * 2);
                     mma16816(o[n], a, b);
                     mma16816(o[n + 1], a, b + 2);
                 }
@@ -322,7 +375,7 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
 
     // Merge: part A's row sums with part B's, rows that sum no tile of a part (m = -inf, l = 0,
     // o = 0) taking a factor 0 for it. Every row sums tile 0 in part A, so M is finite.
-    float fa[2], fb[2], sum_l[2];
+    float fa[2], fb[2], inv_l[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int lr = i == 0 ? lr0 : lr1;
@@ -332,44 +385,56 @@ DEV void flash_attention(const float* __restrict__ qkv, const int* __restrict__ 
         const float mm = fmaxf(ma, mb);
         fa[i] = ma == mm ? 1.0f : exp2_approx(ma - mm);
         fb[i] = mb == mm ? 1.0f : exp2_approx(mb - mm);
-        sum_l[i] = __fadd_rn(__fmul_rn(la, fa[i]), __fmul_rn(lb, fb[i])); // the merged sum L
+        // The merged sum L, and its reciprocal rounded to f32: one division per row.
+        inv_l[i] = __frcp_rn(__fadd_rn(__fmul_rn(la, fa[i]), __fmul_rn(lb, fb[i])));
     }
     // This block's factor, and the partner's.
     const float fm0 = part == 0 ? fa[0] : fb[0], fo0 = part == 0 ? fb[0] : fa[0];
     const float fm1 = part == 0 ? fa[1] : fb[1], fo1 = part == 0 ? fb[1] : fa[1];
-    auto merged = [](float mine, float f_mine, float other, float f_other, float sum) {
-        return f32_to_f16(__fdiv_rn(__fadd_rn(__fmul_rn(mine, f_mine), __fmul_rn(other, f_other)), sum));
+    auto merged = [](float mine, float f_mine, float other, float f_other, float inv) {
+        return __fmul_rn(__fadd_rn(__fmul_rn(mine, f_mine), __fmul_rn(other, f_other)), inv);
     };
-    f16_t* out0 = out + (size_t)r0 * q_dim + (size_t)h * HD + 2 * t;
-    f16_t* out1 = out + (size_t)r1 * q_dim + (size_t)h * HD + 2 * t;
+    // The partner's partial sums, every load in flight before the first is used.
+    float2 other0[HD / 8], other1[HD / 8];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) {
-        const float2 p0 = __ldcg((const float2*)&slot[lr0 * HD + 8 * n + 2 * t]);
-        const float2 p1 = __ldcg((const float2*)&slot[lr1 * HD + 8 * n + 2 * t]);
-        if (r0 < rows) {
-            out0[8 * n] = merged(o[n][0], fm0, p0.x, fo0, sum_l[0]);
-            out0[8 * n + 1] = merged(o[n][1], fm0, p0.y, fo0, sum_l[0]);
-        }
-        if (r1 < rows) {
-            out1[8 * n] = merged(o[n][2], fm1, p1.x, fo1, sum_l[1]);
-            out1[8 * n + 1] = merged(o[n][3], fm1, p1.y, fo1, sum_l[1]);
-        }
+        other0[n] = __ldcg((const float2*)&slot[lr0 * HD + 8 * n + 2 * t]);
+        other1[n] = __ldcg((const float2*)&slot[lr1 * HD + 8 * n + 2 * t]);
+    }
+    // Each pair of outputs rounded to f16 and stored as one word (even columns: 4-byte aligned).
+    u32* out0 = (u32*)(out + (size_t)r0 * q_dim + (size_t)h * HD + 2 * t);
+    u32* out1 = (u32*)(out + (size_t)r1 * q_dim + (size_t)h * HD + 2 * t);
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        if (r0 < rows)
+            out0[4 * n] = pack_f16x2(merged(o[n][0], fm0, other0[n].x, fo0, inv_l[0]),
+                                     merged(o[n][1], fm0, other0[n].y, fo0, inv_l[0]));
+        if (r1 < rows)
+            out1[4 * n] = pack_f16x2(merged(o[n][2], fm1, other1[n].x, fo1, inv_l[1]),
+                                     merged(o[n][3], fm1, other1[n].y, fo1, inv_l[1]));
     }
     __syncthreads(); // every read of the partner's slot is done: the ticket is free again
     if (tid == 0) *ticket = 0;
 }
 
-// K and V of the step's slot start at kc + slot_offset and vc + slot_offset (f16 values),
-// positions kv_dim apart; the host checks 16-byte alignment of rows and launches with
-// 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory. tickets (zero between
-// launches) and partials hold a slot per (query tile, head): an int, FA_BQ x (HD + 2) floats.
+// Q comes unrotated from qkv (rope_kv with first_head = n_heads) and is rotated by the table
+// `rope` (cos, sin per pair and position). K and V of the step's slot start at kc + slot_offset
+// and vc + slot_offset (f16 values), positions kv_dim apart; the host checks 16-byte alignment
+// of rows and launches with 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory.
+// tickets (zero between launches) and partials hold a slot per (query tile, head): an int,
+// FA_BQ x (HD + 2) floats.
 #define FLASH_KERNEL(HD)                                                                           \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)                        \
-        flash_attention_hd##HD(const float* qkv, const int* step, int rows, int n_heads,           \
-                               int n_kv_heads, float scale, const f16_t* kc, const f16_t* vc,      \
-                               long long slot_offset, f16_t* out, int* tickets, float* partials) { \
-        flash_attention<HD>(qkv, step, rows, n_heads, n_kv_heads, scale, kc, vc, slot_offset, out, \
-                            tickets, partials);                                                    \
+        flash_attention_hd##HD(const float* qkv, const float* rope, const int* step, int rows,     \
+                               int n_heads, int n_kv_heads, float scale, const f16_t* kc,          \
+                               const f16_t* vc, long long slot_offset, f16_t* out, int* tickets,   \
+                               float* partials) {                                                  \
+        if ((blockIdx.x / n_heads) % 2 == 0)                                                       \
+            flash_attention<HD, 0>(qkv, rope, step, rows, n_heads, n_kv_heads, scale, kc, vc,      \
+                                   slot_offset, out, tickets, partials);                           \
+        else                                                                                       \
+            flash_attention<HD, 1>(qkv, rope, step, rows, n_heads, n_kv_heads, scale, kc, vc,      \
+                                   slot_offset, out, tickets, partials);                           \
     }
 
 FLASH_KERNEL(16)

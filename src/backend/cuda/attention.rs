@@ -123,7 +123,12 @@ impl CudaBackend {
             } else {
                 1
             };
-            let pairs = (heads.n_heads + heads.n_kv_heads) * heads.head_dim / 2;
+            // The flash kernel rotates Q as it loads it: then only K heads are rotated here.
+            let first_head = match self.flash_variant(step, rows, kv, &f16) {
+                Some(_) => heads.n_heads,
+                None => 0,
+            };
+            let pairs = (heads.n_heads + heads.n_kv_heads - first_head) * heads.head_dim / 2;
             let work = (pairs + heads.kv_dim()) / width;
             let args = [
                 Arg::P(qkv.ptr),
@@ -137,6 +142,7 @@ impl CudaBackend {
                 Arg::usize(f16.slot),
                 Arg::L(f16.slot_stride as i64),
                 Arg::usize(width),
+                Arg::usize(first_head),
             ];
             let grid = (rows as u32, work.div_ceil(256) as u32, 1);
             return self.run("rope_kv", self.gpu.kernels.rope_kv, grid, 256, 0, &args);
@@ -188,7 +194,7 @@ impl CudaBackend {
         let mode = kv.layout.mode;
         if mode == KvMode::Fp16 {
             let f16 = self.f16_entries(kv, at.own());
-            if self.flash_attend(qkv, step, rows, kv, &f16, out) {
+            if self.flash_attend(qkv, rope, step, rows, kv, &f16, out) {
                 return;
             }
             return self.attend(qkv, step, rows, kv, &f16, out, None);

@@ -50,36 +50,55 @@ impl CudaBackend {
         Ok(Some(Box::new(FlashScratch { buf, partials })))
     }
 
-    /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel; false (and
-    /// nothing launched) when the shape is not one it takes: an uninstantiated head dimension,
-    /// cache rows not 16-byte aligned, a device with too little shared memory per block, or more
-    /// blocks than a grid holds.
+    /// The kernel variant (an index into `kernels::FLASH_HD`) that attends this step of `rows`
+    /// rows, or None when the step is not one it takes: one row, another KV mode, an
+    /// uninstantiated head dimension, cache rows not 16-byte aligned, a device with too little
+    /// shared memory per block, or more blocks than a grid holds. rope_kv asks too: Q is rotated
+    /// by the flash kernel when it takes the step, by rope_kv otherwise.
+    pub(super) fn flash_variant(
+        &self,
+        step: &CudaStep,
+        rows: usize,
+        kv: &KvCache<CudaKv>,
+        entries: &F16Entries,
+    ) -> Option<usize> {
+        let heads = kv.layout.heads;
+        let hd = heads.head_dim;
+        let variant = kernels::FLASH_HD.iter().position(|&d| d == hd)?;
+        step.flash.as_ref()?;
+        let slot_offset = entries.slot * entries.slot_stride;
+        let aligned = (entries.k | entries.v | (2 * slot_offset) as u64).is_multiple_of(16);
+        // allow_dynamic_smem's limit
+        let fits = smem_bytes(hd) <= self.gpu.smem_optin.saturating_sub(2048);
+        let blocks_fit = flash_blocks(heads.n_heads, rows) <= i32::MAX as usize;
+        let takes = rows >= 2 && kv.layout.mode == KvMode::Fp16 && aligned && fits && blocks_fit;
+        takes.then_some(variant)
+    }
+
+    /// Attention of `rows` > 1 rows in the fp16 mode through the tensor-core kernel, Q rotated by
+    /// `rope` as it is loaded; false (and nothing launched) when [`Self::flash_variant`] has none.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn flash_attend(
         &self,
         qkv: &DevBuf,
+        rope: &DevBuf,
         step: &CudaStep,
         rows: usize,
         kv: &KvCache<CudaKv>,
         entries: &F16Entries,
         out: &mut DevBuf,
     ) -> bool {
-        let heads = kv.layout.heads;
-        let hd = heads.head_dim;
-        let Some(variant) = kernels::FLASH_HD.iter().position(|&d| d == hd) else {
+        let Some(variant) = self.flash_variant(step, rows, kv, entries) else {
             return false;
         };
         let Some(scratch) = step.flash.as_ref() else {
             return false;
         };
-        let slot_offset = entries.slot * entries.slot_stride;
-        let aligned = (entries.k | entries.v | (2 * slot_offset) as u64).is_multiple_of(16);
-        let smem = smem_bytes(hd);
-        let fits = smem <= self.gpu.smem_optin.saturating_sub(2048); // allow_dynamic_smem's limit
-        if rows < 2 || kv.layout.mode != KvMode::Fp16 || !aligned || !fits {
-            return false;
-        }
+        let heads = kv.layout.heads;
+        let hd = heads.head_dim;
         let args = [
             Arg::P(qkv.ptr),
+            Arg::P(rope.ptr),
             Arg::P(step.buf.ptr),
             Arg::usize(rows),
             Arg::usize(heads.n_heads),
@@ -87,20 +106,20 @@ impl CudaBackend {
             Arg::F(1.0 / (hd as f32).sqrt()),
             Arg::P(entries.k),
             Arg::P(entries.v),
-            Arg::L(slot_offset as i64),
+            Arg::L((entries.slot * entries.slot_stride) as i64),
             Arg::P(out.ptr),
             Arg::P(scratch.buf.ptr),
             Arg::P(scratch.buf.ptr + scratch.partials as u64),
         ];
-        // Two blocks (the parts of the rows' key tiles) per query tile and head, in the x
-        // dimension (2³¹ − 1 blocks; y's 65 535 would cap a step near 2 M rows).
-        let blocks = heads.n_heads * 2 * rows.div_ceil(BLOCK_ROWS);
-        if blocks > i32::MAX as usize {
-            return false;
-        }
-        let grid = (blocks as u32, 1, 1);
+        let grid = (flash_blocks(heads.n_heads, rows) as u32, 1, 1);
         let f = self.gpu.kernels.flash_attention[variant];
-        self.run("flash_attention", f, grid, THREADS, smem, &args);
+        self.run("flash_attention", f, grid, THREADS, smem_bytes(hd), &args);
         true
     }
+}
+
+/// Two blocks (the parts of the rows' key tiles) per query tile and head, all in the grid's x
+/// dimension (2³¹ − 1 blocks; y's 65 535 would cap a step near 2 M rows).
+fn flash_blocks(n_heads: usize, rows: usize) -> usize {
+    n_heads * 2 * rows.div_ceil(BLOCK_ROWS)
 }
