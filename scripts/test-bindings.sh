@@ -132,7 +132,7 @@ step_c_so() {
 step_c_static() {
     "$CC" "${CFLAGS[@]}" examples/c/example.c "$REL/libtinyloop.a" "${STATIC_LIBS[@]}" \
         -o "$WORK/example_static" || return 1
-    if ldd "$WORK/example_static" | grep -q libtinyloop; then
+    if grep -q libtinyloop <<<"$(ldd "$WORK/example_static")"; then
         echo "example_static links libtinyloop dynamically"
         return 1
     fi
@@ -212,7 +212,7 @@ installed() {
 }
 
 step_python() {
-    local wheels="$WORK/wheels" venv="$OUTSIDE/venv" tests="$OUTSIDE/python-tests" wheel
+    local wheels="$WORK/wheels" venv="$OUTSIDE/venv" tests="$OUTSIDE/python-tests" wheel listing
     local pipflags=(-q --disable-pip-version-check)
     rm -rf "$wheels"
     python3 -m pip wheel "${pipflags[@]}" --no-deps -w "$wheels" bindings/python || return 1
@@ -222,10 +222,13 @@ step_python() {
         *-py3-none-linux_*.whl) ;;
         *) echo "not a platform wheel: $wheel"; return 1 ;;
     esac
-    python3 -m zipfile -l "$wheel" | grep -q ' *tinyloop_py/libtinyloop.so ' \
+    # The listing is read whole before it is searched: `grep -q` closing a pipe early would fail
+    # the lister with SIGPIPE, and pipefail would report that as a missing file.
+    listing="$(python3 -m zipfile -l "$wheel")" || { echo "cannot list $wheel"; return 1; }
+    grep -q ' *tinyloop_py/libtinyloop.so ' <<<"$listing" \
         || { echo "no libtinyloop.so in the wheel"; return 1; }
     [ "${TINYLOOP_SHIP_KERNELS:-1}" = 0 ] \
-        || [ "$(python3 -m zipfile -l "$wheel" | grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-')" = 2 ] \
+        || [ "$(grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-' <<<"$listing")" = 2 ] \
         || { echo "the wheel lacks the sm_80 and sm_90 kernels"; return 1; }
     python3 -m venv "$venv" && "$venv/bin/python" -m pip install "${pipflags[@]}" "$wheel" pytest \
         || return 1
@@ -273,7 +276,7 @@ step_consumers() {
         cmake -S "$src/cmake" -B "$src/cmake/build" -DCMAKE_PREFIX_PATH="$PREFIX" \
             -DCMAKE_BUILD_TYPE=Release >/dev/null
         cmake --build "$src/cmake/build" >/dev/null
-        if ldd "$src/cmake/build/generate_c_static" | grep -q libtinyloop; then
+        if grep -q libtinyloop <<<"$(ldd "$src/cmake/build/generate_c_static")"; then
             echo "generate_c_static links libtinyloop dynamically"
             exit 1
         fi
