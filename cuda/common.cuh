@@ -133,6 +133,43 @@ DEV u32 ld_w4(const void* p, u64 policy) {
     return v;
 }
 
+// Asynchronous copies from global to shared memory (sm_80 and later), in groups: a thread
+// commits the copies issued since its last commit as one group and later waits for all but the
+// N most recent of its groups.
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most N committed groups of this thread are still in flight.
+template <int N> DEV void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+DEV u32 smem_addr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+
+// 16 bytes from global to shared memory, bypassing L1; `bytes` (16 or 0) of them are read and
+// the rest zero-filled, so a row past the step's end reads nothing and lands as zeros.
+DEV void cp_async16(u32 smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes)
+                 : "memory");
+}
+
+// The same for weights, under an L2 policy (l2_policy); 8-byte copies for rows that are only
+// 8-byte aligned (INT2 codes).
+DEV void cp_async16_w(u32 smem, const void* gmem, int bytes, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(smem),
+                 "l"(gmem), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+DEV void cp_async8_w(u32 smem, const void* gmem, int bytes, u64 policy) {
+    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;" ::"r"(smem),
+                 "l"(gmem), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+
+
 // silu(g) * u, rounded like the CPU reference: g / (1 + e^-g) * u.
 DEV float silu_mul(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);

@@ -41,27 +41,6 @@ DEV u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
-
-DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Wait until at most N committed groups of this thread are still in flight.
-template <int N> DEV void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-DEV u32 smem_addr(const void* p) {
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-    return s;
-}
-
-// 16 bytes from global to shared memory, bypassing L1; `bytes` (16 or 0) of them are read and
-// the rest zero-filled, so a row past the step's end reads nothing and lands as zeros.
-DEV void cp_async16(u32 smem, const void* gmem, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(bytes)
-                 : "memory");
-}
-
 // Four 8x8 f16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
 DEV void ldmatrix_x4(u32* r, u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"

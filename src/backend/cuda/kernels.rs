@@ -81,6 +81,8 @@ const OPTIONS: [&str; 3] = ["--std=c++17", "-lineinfo", "-DTL_NVRTC=1"];
 pub(crate) const BITS: [u32; 3] = [16, 4, 2];
 /// Row counts the GEMV kernels are instantiated for, in index order.
 pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
+/// The most rows `gemm_small` takes (one MMA tile of rows; cuda/gemm.cu).
+pub(crate) const SMALL_GEMM_ROWS: usize = 16;
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
 /// Head dimensions the tensor-core prefill attention is instantiated for, in index order.
@@ -107,6 +109,8 @@ pub(crate) struct Kernels {
     pub gemv_gateup_norm: [sys::CUfunction; 3],
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
+    /// `[bits index]`: products of at most [`SMALL_GEMM_ROWS`] rows.
+    pub gemm_small: [sys::CUfunction; 3],
     pub linear_generic: sys::CUfunction,
     /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
@@ -629,6 +633,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemv_norm: by_bits_one(&|i| GEMV + i, "gemv_norm")?,
             gemv_gateup_norm: by_bits_one(&|i| GEMV + i, "gemv_gateup_norm")?,
             gemm: by_bits_one(&|_| GEMM, "gemm")?,
+            gemm_small: by_bits_one(&|_| GEMM, "gemm_small")?,
             linear_generic: get(GEMV, "linear_generic")?,
             attention: [
                 get(ATTENTION, "attention_dj1")?,

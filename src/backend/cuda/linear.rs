@@ -229,9 +229,10 @@ impl CudaBackend {
     }
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` without the GEMV path (`out` rows are `range.len()` wide):
-    /// the tensor-core GEMM, or the generic kernel for shapes it does not take. Each output is
-    /// accumulated in the same order whatever `rows` is, so a row's result does not depend on
-    /// the rows computed with it.
+    /// the tensor-core GEMM (16-row tiles up to [`kernels::SMALL_GEMM_ROWS`] rows, 64 × 64
+    /// tiles above), or the generic kernel for shapes it does not take. Each output is
+    /// accumulated in the same order whatever `rows` is, in both tilings, so a row's result does
+    /// not depend on the rows computed with it.
     pub(super) fn product(
         &self,
         x: u64,
@@ -281,6 +282,17 @@ impl CudaBackend {
             Arg::P(out),
             acc,
         ];
+        if rows <= kernels::SMALL_GEMM_ROWS {
+            let grid = (n.div_ceil(16) as u32, 1, 1);
+            return self.run(
+                "gemm_small",
+                k.gemm_small[w.bits_index()],
+                grid,
+                64,
+                0,
+                &args,
+            );
+        }
         let grid = (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1);
         self.run("gemm", k.gemm[w.bits_index()], grid, 128, 0, &args);
     }
