@@ -37,6 +37,22 @@ DEV u32 q2_pair(u32 w, int p) {
     return codes_to_f16x2((y & 0x3u) | ((y & 0xCu) << 14));
 }
 
+// A quantized product's step per 32-wide K tile, shared by both GEMM kernels so that a row's
+// result does not depend on which of them computed it: output column n's scale and zero for
+// the tile (zero past N), then acc += s * T + z * S for rows g and g + 8 of an MMA tile (T in
+// tq[e], tq[e + 2] and S in px[0], px[2], as mma16816 leaves them).
+DEV float2 scale_zero(const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int n,
+                      int N, int G, int gi) {
+    if (n >= N) return make_float2(0.0f, 0.0f);
+    return make_float2(f16_to_f32(__ldg(sz + (size_t)n * G + gi)),
+                       f16_to_f32(__ldg(zeros + (size_t)n * G + gi)));
+}
+
+DEV void add_dequantized(float* acc, const float* tq, const float* px, int e, float2 sz) {
+    acc[e] = fmaf(sz.x, tq[e], fmaf(sz.y, px[0], acc[e]));
+    acc[e + 2] = fmaf(sz.x, tq[e + 2], fmaf(sz.y, px[2], acc[e + 2]));
+}
+
 template <int BITS>
 DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
               const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N, int group,
@@ -161,17 +177,10 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int n = n0 + wn * 32 + nt * 8 + t * 2 + e;
-                    float s = 0.0f, z = 0.0f;
-                    if (n < N) {
-                        s = f16_to_f32(__ldg(sz + (size_t)n * G + gi));
-                        z = f16_to_f32(__ldg(zeros + (size_t)n * G + gi));
-                    }
+                    const float2 q = scale_zero(sz, zeros, n, N, G, gi);
 #pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        acc[mt][nt][e] = fmaf(s, tq[mt][nt][e], fmaf(z, px[mt][0], acc[mt][nt][e]));
-                        acc[mt][nt][e + 2] =
-                            fmaf(s, tq[mt][nt][e + 2], fmaf(z, px[mt][2], acc[mt][nt][e + 2]));
-                    }
+                    for (int mt = 0; mt < 2; mt++)
+                        add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, q);
                 }
             }
         }
@@ -206,8 +215,8 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
 // weights' first slices requested before the predecessor kernel finishes.
 //
 // Every output takes the operations of the 64 x 64 kernel in the same order (per 32-wide K tile:
-// two MMAs from zero for T, the same two against ones for S, then s * T + z * S into the
-// accumulator), so a row's result does not depend on which of the two computed it.
+// two MMAs from zero for T, the same two against ones for S, then add_dequantized), so a row's
+// result does not depend on which of the two computed it.
 #define SMALL_ROWS 16
 #define SMALL_COLS 16 // 2 warps of 8
 #define SMALL_STAGES 4
@@ -332,13 +341,7 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int n = n0 + warp * 8 + t * 2 + e;
-                    float sc = 0.0f, ze = 0.0f;
-                    if (n < N) {
-                        sc = f16_to_f32(__ldg(sz + (size_t)n * G + gi));
-                        ze = f16_to_f32(__ldg(zeros + (size_t)n * G + gi));
-                    }
-                    acc[e] = fmaf(sc, tq[e], fmaf(ze, px[0], acc[e]));
-                    acc[e + 2] = fmaf(sc, tq[e + 2], fmaf(ze, px[2], acc[e + 2]));
+                    add_dequantized(acc, tq, px, e, scale_zero(sz, zeros, n, N, G, gi));
                 }
             }
         }
