@@ -1,12 +1,14 @@
 //! CTX-TIER: the loop body's precision follows the context length.
 //!
-//! A call with a tier policy observes, before every step (each prefill chunk, each decode step,
-//! each speculative draft and verify step), `seq_len = start_pos + rows`: the sequence length once
-//! the step has run. Observation 1 is the prefill. The session's tier moves SHORT → LONG when
-//! `seq_len ≥ long_t` and LONG → SHORT when `seq_len < short_t` (hysteresis; since a call's
-//! sequence only grows, that happens at the first step of a new call). At LONG the step runs the
-//! loop body re-quantized to INT2 (model/body.rs); a prompt of at least `long_t` tokens runs
-//! entirely at INT2. A call without a policy runs at SHORT.
+//! The tier is a function of token positions: the row at position p runs at the tier the policy
+//! gives for `seq_len = p + 1`, taking the rows in order. The session's tier moves SHORT → LONG
+//! when `seq_len ≥ long_t` and LONG → SHORT when `seq_len < short_t` (hysteresis; since a call's
+//! sequence only grows, that happens at its first rows). Steps are cut so that no step straddles a
+//! change ([`TierTracker::ahead`]): a prompt of at least `long_t` tokens runs its first
+//! `long_t − 1` positions at INT4 and the rest at INT2, however it is chunked, and a speculative
+//! round computes what one-token decode steps would. Each step is one observation, of
+//! `seq_len = start_pos + rows`, the sequence length once the step has run. At LONG the step runs
+//! the loop body re-quantized to INT2 (model/body.rs). A call without a policy runs at SHORT.
 //!
 //! The tier is the session's: it persists between calls. This module is the policy and its
 //! telemetry (stderr lines and the optional JSON file); model/body.rs holds the weights.
@@ -75,6 +77,15 @@ impl CtxTier {
             ));
         }
         Ok(())
+    }
+
+    /// The tier after observing `seq_len` at `tier`.
+    fn next(&self, tier: Tier, seq_len: usize) -> Tier {
+        match tier {
+            Tier::Short if seq_len >= self.long_t => Tier::Long,
+            Tier::Long if seq_len < self.short_t => Tier::Short,
+            tier => tier,
+        }
     }
 
     /// The encoding of the loop body at LONG.
@@ -194,6 +205,24 @@ struct Call {
     start: Instant,
     stats: CtxTierStats,
     transitions: Vec<Transition>,
+    announced: bool,
+}
+
+impl Call {
+    /// Print the policy once, when the call first observes anything (a call refused earlier
+    /// prints nothing), and start its clock.
+    fn announce(&mut self) {
+        if self.announced {
+            return;
+        }
+        self.announced = true;
+        let p = &self.policy;
+        eprintln!(
+            "[ctx_tier] enabled: short_t={} long_t={} long_bits=INT{}",
+            p.short_t, p.long_t, p.long_bits
+        );
+        self.start = Instant::now();
+    }
 }
 
 /// A session's tier and the record of its call in flight.
@@ -217,6 +246,7 @@ impl TierTracker {
             start: Instant::now(),
             stats: CtxTierStats::default(),
             transitions: Vec::new(),
+            announced: false,
         });
     }
 
@@ -226,40 +256,88 @@ impl TierTracker {
             self.tier = Tier::Short;
             return self.tier;
         };
-        let stats = &mut call.stats;
-        if stats.observations == 0 {
-            let p = &call.policy;
-            eprintln!(
-                "[ctx_tier] enabled: short_t={} long_t={} long_bits=INT{}",
-                p.short_t, p.long_t, p.long_bits
-            );
-            call.start = Instant::now();
-        }
-        stats.observations += 1;
-        stats.last_seq_len = seq_len;
-        let next = match self.tier {
-            Tier::Short if seq_len >= call.policy.long_t => Tier::Long,
-            Tier::Long if seq_len < call.policy.short_t => Tier::Short,
-            tier => tier,
-        };
+        call.announce();
+        call.stats.observations += 1;
+        call.stats.last_seq_len = seq_len;
+        let next = call.policy.next(self.tier, seq_len);
         if next != self.tier {
-            eprintln!(
-                "[ctx_tier] transition at observation {} (seq_len={seq_len}): {} -> {next}",
-                stats.observations, self.tier
-            );
-            stats.transitions += 1;
-            call.transitions.push(Transition {
-                observation: stats.observations,
-                seq_len,
-                to: next,
-            });
-            self.tier = next;
+            self.record(seq_len, next);
         }
-        match next {
-            Tier::Short => stats.short_steps += 1,
-            Tier::Long => stats.long_steps += 1,
+        if let Some(call) = &mut self.call {
+            match next {
+                Tier::Short => call.stats.short_steps += 1,
+                Tier::Long => call.stats.long_steps += 1,
+            }
         }
         next
+    }
+
+    /// Take positions `0..n` as already computed at SHORT (a prefix cache or resume handle keeps
+    /// INT4 results): the tracker goes on as if it had observed them. An error when the call's
+    /// policy would run any of them at LONG, since the handle's entries would then differ from a
+    /// fresh computation.
+    pub fn replay_short(&mut self, n: usize) -> Result<()> {
+        let Some(call) = &mut self.call else {
+            return Ok(());
+        };
+        // The tiers of positions 0..n, one row at a time.
+        let mut tier = self.tier;
+        let any_long = (1..=n).any(|seq_len| {
+            tier = call.policy.next(tier, seq_len);
+            tier == Tier::Long
+        });
+        if any_long {
+            return Err(Error::invalid(format!(
+                "the handle's {n} positions were computed at the SHORT tier (INT4 loop body), but \
+                 this call's ctx_tier policy would run some of them at LONG: use a long_t above \
+                 {n}, or no policy"
+            )));
+        }
+        call.announce();
+        if self.tier == Tier::Long {
+            // Position 0 (seq_len 1) took the sequence back to SHORT.
+            self.record(1, Tier::Short);
+        }
+        Ok(())
+    }
+
+    /// The tier of the row at position `pos` in a step from there, and how many of the step's
+    /// `rows` rows run at it: the rows up to the first whose `seq_len` changes the tier. A step of
+    /// that many rows observes, at its end, the tier each of its rows would have observed alone.
+    /// Observes nothing.
+    pub fn ahead(&self, pos: usize, rows: usize) -> (Tier, usize) {
+        let Some(call) = &self.call else {
+            return (Tier::Short, rows);
+        };
+        let policy = &call.policy;
+        let first = policy.next(self.tier, pos + 1);
+        let same = (1..=rows)
+            .take_while(|&j| {
+                let seq_len = pos + j;
+                policy.next(self.tier, seq_len) == first && policy.next(first, seq_len) == first
+            })
+            .count();
+        (first, same)
+    }
+
+    /// The session's tier changes to `to` at `seq_len` (at the current observation; 0 before the
+    /// call's first step).
+    fn record(&mut self, seq_len: usize, to: Tier) {
+        if let Some(call) = &mut self.call {
+            let observation = call.stats.observations;
+            eprintln!(
+                "[ctx_tier] transition at observation {observation} (seq_len={seq_len}): {} -> \
+                 {to}",
+                self.tier
+            );
+            call.stats.transitions += 1;
+            call.transitions.push(Transition {
+                observation,
+                seq_len,
+                to,
+            });
+        }
+        self.tier = to;
     }
 
     /// Record a change of the session's loop body: `weights` made in `ms` (re-packed, or

@@ -100,8 +100,11 @@ fn repack_error_is_that_of_direct_int2_quantization() {
     assert!((0.95..=1.10).contains(&ratio), "ratio {ratio}");
 }
 
+/// A prompt that reaches long_t runs its positions below long_t − 1 at INT4 and the rest at INT2
+/// (the tier of position p is the one observed at seq_len p + 1), whether prefilled in one step
+/// or in chunks: the prefill step is cut at the change.
 #[test]
-fn a_prompt_at_long_t_runs_entirely_at_int2() {
+fn a_prompt_across_long_t_switches_at_its_position() {
     let path = synth_file("tiny", 3, 4);
     let int2 = open_cpu(&with_int2_loop_body(&path));
     let model = open_cpu(&path);
@@ -111,25 +114,47 @@ fn a_prompt_at_long_t_runs_entirely_at_int2() {
         .generate(&prompt, &greedy(12, Some(policy(4, 8))))
         .unwrap();
     let stats = session.last_generate_stats().ctx_tier.unwrap();
-    assert_eq!((stats.transitions, stats.short_steps), (1, 0));
-    assert_eq!(stats.long_steps, stats.observations);
+    // The prefill is two steps (positions 0..7 at SHORT, 7..10 at LONG), then 11 decode steps.
+    assert_eq!((stats.observations, stats.transitions), (13, 1));
+    assert_eq!((stats.short_steps, stats.long_steps), (1, 12));
     assert_eq!(stats.tier, Tier::Long);
+    // Chunked prefill cuts at the same position: the same tokens.
+    let chunked = Model::open(
+        &path,
+        &ModelOptions {
+            prefill_chunk: 3,
+            ..common::cpu_options()
+        },
+    )
+    .unwrap();
+    let in_chunks = chunked
+        .new_session()
+        .unwrap()
+        .generate(&prompt, &greedy(12, Some(policy(4, 8))))
+        .unwrap();
+    assert_eq!(in_chunks, got);
+    // Every logit: positions 0..=6 are the INT4 model's, the later ones neither model's alone.
+    let scored = session
+        .logprobs_with(&prompt, Some(3), Some(&policy(4, 8)))
+        .unwrap();
+    let at = |m: &Model| m.new_session().unwrap().logprobs(&prompt, Some(3)).unwrap();
+    let (int4_lp, int2_lp) = (at(&model), at(&int2));
+    assert_eq!(scored[..7], int4_lp[..7]);
+    assert_ne!(scored[7..], int4_lp[7..]);
+    assert_ne!(scored[7..], int2_lp[7..]);
+    // A call that stays LONG from its first position (the session is LONG and short_t = 1 keeps
+    // it there) runs entirely at INT2: the same weights through the same ops as the INT2 model.
+    let all_long = session
+        .generate(&prompt, &greedy(12, Some(policy(1, 8))))
+        .unwrap();
+    let stats = session.last_generate_stats().ctx_tier.unwrap();
+    assert_eq!((stats.transitions, stats.short_steps), (0, 0));
     let expected = int2
         .new_session()
         .unwrap()
         .generate(&prompt, &greedy(12, None))
         .unwrap();
-    assert_eq!(got, expected);
-    // The same holds for every logit: the same weights through the same ops.
-    let scored = session
-        .logprobs_with(&prompt, Some(3), Some(&policy(4, 8)))
-        .unwrap();
-    let reference = int2
-        .new_session()
-        .unwrap()
-        .logprobs(&prompt, Some(3))
-        .unwrap();
-    assert_eq!(scored, reference);
+    assert_eq!(all_long, expected);
     // And without a policy the session is back on the INT4 body.
     let plain = session.generate(&prompt, &greedy(12, None)).unwrap();
     let int4 = model
@@ -139,9 +164,46 @@ fn a_prompt_at_long_t_runs_entirely_at_int2() {
         .unwrap();
     assert_eq!(plain, int4);
     assert_ne!(
-        plain, got,
+        plain, all_long,
         "INT2 and INT4 bodies should not agree on 12 tokens"
     );
+}
+
+/// Prefix caches and resume handles hold INT4 results: a call whose policy keeps the handle's
+/// positions at SHORT gives what a fresh generation gives; one that would run them at LONG is
+/// refused.
+#[test]
+fn prefix_caches_and_resume_handles_under_a_policy() {
+    let model = open_cpu(&synth_file("tiny", 6, 4));
+    let vocab = model.config().vocab_size;
+    let (prefix, prompt) = (tokens(6, vocab, 1), tokens(4, vocab, 2));
+    let whole: Vec<u32> = prefix.iter().chain(&prompt).copied().collect();
+    let mut s = model.new_session().unwrap();
+    let params = |long_t| greedy(10, Some(policy(2, long_t)));
+    let cache = s.build_prefix_cache(&prefix, Some(3)).unwrap();
+    let handle = s.build_resume_handle(&whole, Some(3)).unwrap();
+    // long_t 13: LONG from position 12, inside the generation.
+    let fresh = s.generate(&whole, &params(13)).unwrap();
+    let with_prefix = s
+        .generate_with_prefix(&cache, &prompt, &params(13), &mut |_| true)
+        .unwrap();
+    assert_eq!(with_prefix, fresh);
+    let resumed = s
+        .resume_generate(&handle, &params(13), &mut |_| true)
+        .unwrap();
+    assert_eq!(resumed, fresh);
+    // long_t 5: the prefix's position 4 would run at LONG.
+    for result in [
+        s.generate_with_prefix(&cache, &prompt, &params(5), &mut |_| true),
+        s.resume_generate(&handle, &params(5), &mut |_| true),
+    ] {
+        match result {
+            Err(tinyloop::Error::InvalidArgument(msg)) => {
+                assert!(msg.contains("SHORT tier"), "{msg}")
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
 }
 
 #[test]
@@ -166,18 +228,21 @@ fn a_transition_in_the_middle_of_generation() {
         .generate(&prompt, &greedy(10, None))
         .unwrap();
     assert_eq!(got[..3], plain[..3]);
-    // Hysteresis: a call whose first step stays at or above short_t keeps LONG.
-    session
-        .generate(&prompt, &greedy(2, Some(policy(4, 8))))
+    // Hysteresis acts along a sequence: a new call starts at position 0 (seq_len 1), below
+    // short_t, so it goes back to SHORT for its first positions and its output does not depend on
+    // the session's earlier calls.
+    let again = session
+        .generate(&prompt, &greedy(10, Some(policy(4, 8))))
         .unwrap();
-    let again = session.last_generate_stats().ctx_tier.unwrap();
-    assert_eq!((again.transitions, again.short_steps), (0, 0));
-    // Below short_t it returns to SHORT.
+    assert_eq!(again, got);
+    let stats = session.last_generate_stats().ctx_tier.unwrap();
+    assert_eq!((stats.transitions, stats.tier), (2, Tier::Long));
+    // With short_t = 1 nothing is below it: the session stays LONG from the first position.
     session
-        .generate(&prompt[..2], &greedy(1, Some(policy(4, 8))))
+        .generate(&prompt[..2], &greedy(1, Some(policy(1, 8))))
         .unwrap();
-    let back = session.last_generate_stats().ctx_tier.unwrap();
-    assert_eq!((back.transitions, back.tier), (1, Tier::Short));
+    let kept = session.last_generate_stats().ctx_tier.unwrap();
+    assert_eq!((kept.transitions, kept.short_steps), (0, 0));
 }
 
 fn cpu_weight_bytes(rows: usize, cols: usize, bits: usize, group: usize) -> usize {

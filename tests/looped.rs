@@ -328,3 +328,54 @@ fn bad_looped_inputs_are_clear_errors() {
         other => panic!("expected InvalidArgument, got {:?}", other.map(|c| c.len())),
     }
 }
+
+/// The CTX-TIER and age tiers are functions of positions, so speculative rounds (cut at every tier
+/// change) compute what one-token decode steps compute: greedy speculative output equals plain
+/// greedy output in every KV mode, with a tier policy whose LONG threshold falls inside the
+/// prompt, inside the generation, or nowhere. In age mode 9 + 240 tokens cross the `age:64:128`
+/// bounds at sequence lengths 128 and 192 (INT8 → INT4) and 192 (INT4 → FP8 scales).
+#[test]
+fn greedy_speculation_equals_plain_in_every_kv_mode_and_tier() {
+    let tiers = [None, Some((4, 6)), Some((4, 37))];
+    let drafts = [(2, 7, true), (5, 15, false), (1, 3, true), (3, 4, false)];
+    for mode in [
+        "fp16",
+        "fp16-h",
+        "int8-h",
+        "int4-h",
+        "int8",
+        "delta",
+        "age:64:128",
+    ] {
+        let options = ModelOptions {
+            kv_mode: Some(mode.parse().unwrap()),
+            ..common::cpu_options()
+        };
+        let model = Model::open(synth_file("tiny", 3, 4), &options).unwrap();
+        let prompt = tokens(9, model.config().vocab_size, 7);
+        let max_tokens = if mode.starts_with("age") { 240 } else { 40 };
+        let mut s = model.new_session().unwrap();
+        for tier in tiers {
+            let params = GenerateParams {
+                ctx_tier: tier.map(|(short_t, long_t)| tinyloop::CtxTier {
+                    short_t,
+                    long_t,
+                    ..Default::default()
+                }),
+                ..greedy(max_tokens, 6)
+            };
+            let plain = s.generate(&prompt, &params).unwrap();
+            for (draft_loops, draft_len, reuse) in drafts {
+                let sp = spec(draft_loops, draft_len, reuse);
+                let out = s
+                    .generate_speculative(&prompt, &params, &sp, &mut |_| true)
+                    .unwrap();
+                let first_diff = out.iter().zip(&plain).position(|(a, b)| a != b);
+                assert_eq!(
+                    out, plain,
+                    "{mode} tier {tier:?} {sp:?}: first difference at {first_diff:?}"
+                );
+            }
+        }
+    }
+}

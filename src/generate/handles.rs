@@ -181,6 +181,7 @@ pub fn generate_after<B: Backend>(
             cache.loops, req.loops
         )));
     }
+    buf.tier.replay_short(cache.len())?;
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Output::new(req, cancel, on_token);
     buf.reserve_kv(backend, buf.kv.layout.slots(req.loops))?;
@@ -265,6 +266,7 @@ pub fn resume<B: Backend>(
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     let n = handle.prompt.len();
+    buf.tier.replay_short(n)?;
     let kept = handle.loops.min(req.loops);
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Output::new(req, cancel, on_token);

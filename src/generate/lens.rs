@@ -8,12 +8,12 @@
 
 use std::sync::atomic::AtomicBool;
 
+use super::finite;
 use super::sampling::argmax;
-use super::{finite, whole};
-use crate::backend::Backend;
+use crate::backend::{Backend, Choice, StepInput};
 use crate::error::Result;
 use crate::model::forward::{
-    final_norm, logits, restore_rows, run, save_rows, stage, Buffers, Span,
+    final_norm, forward, logits, restore_rows, run, save_rows, stage, step_rows, Buffers, Span,
 };
 use crate::model::weights::Weights;
 
@@ -28,9 +28,24 @@ pub fn logit_lens<B: Backend>(
     loops: usize,
     cancel: &AtomicBool,
 ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
-    let (rows, dim, vocab) = (tokens.len(), w.config.dim, w.config.vocab_size);
+    let (dim, vocab) = (w.config.dim, w.config.vocab_size);
+    // Positions before the last step run whole; the last step is read out iteration by iteration.
+    let mut start = 0;
+    let rows = loop {
+        let rows = step_rows(buf, start, tokens.len() - start);
+        let input = StepInput {
+            tokens: &tokens[start..start + rows],
+            start_pos: start,
+            choice: Choice::Greedy,
+        };
+        if start + rows == tokens.len() {
+            stage(backend, w, buf, input, loops)?;
+            break rows;
+        }
+        forward(backend, w, buf, input, loops, cancel)?;
+        start += rows;
+    };
     let last = rows - 1;
-    stage(backend, w, buf, whole(tokens), loops)?;
     let pre = Span {
         start: true,
         first: 1,

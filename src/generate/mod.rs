@@ -15,7 +15,8 @@ use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::ctx_tier::CtxTierStats;
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    choose, chosen, decode_step, final_norm, forward, logits, measure, Buffers, Decode, LOGIT_ROWS,
+    choose, chosen, decode_step, final_norm, forward, logits, measure, step_rows, Buffers, Decode,
+    LOGIT_ROWS,
 };
 use crate::model::weights::Weights;
 use crate::telemetry::beta_monitor::{BetaMonSummary, EntropyLog, Monitoring};
@@ -156,8 +157,41 @@ impl<'a> Output<'a> {
     }
 }
 
-/// Feed `tokens` from position `start` in steps of at most `buf.max_rows` rows through the whole
-/// network; the last step carries `choice`. Returns the row of the last token in the last step.
+/// Feed `tokens` from position `start` through the whole network in the steps [`step_rows`] cuts
+/// (at most `buf.max_rows` rows, never across a tier change); the last step carries `choice`.
+/// After each step, `after(buf, offset, rows)` sees it: its first token's offset in `tokens` and
+/// its rows. Returns the rows of the last step.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn steps<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    start: usize,
+    loops: usize,
+    choice: Choice,
+    cancel: &AtomicBool,
+    mut after: impl FnMut(&mut Buffers<B>, usize, usize) -> Result<()>,
+) -> Result<usize> {
+    let mut offset = 0;
+    let mut rows = 0;
+    while offset < tokens.len() {
+        rows = step_rows(buf, start + offset, tokens.len() - offset);
+        let last = offset + rows == tokens.len();
+        let input = StepInput {
+            tokens: &tokens[offset..offset + rows],
+            start_pos: start + offset,
+            choice: if last { choice } else { Choice::Greedy },
+        };
+        forward(backend, w, buf, input, loops, cancel)?;
+        after(buf, offset, rows)?;
+        offset += rows;
+    }
+    Ok(rows)
+}
+
+/// Feed `tokens` from position `start` through the whole network ([`steps`]); the last step
+/// carries `choice`. Returns the row of the last token in the last step.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefill<B: Backend>(
     backend: &B,
@@ -169,21 +203,17 @@ pub(crate) fn prefill<B: Backend>(
     choice: Choice,
     cancel: &AtomicBool,
 ) -> Result<usize> {
-    let chunks = tokens.len().div_ceil(buf.max_rows);
-    let mut last_rows = 0;
-    for (i, chunk) in tokens.chunks(buf.max_rows).enumerate() {
-        let input = StepInput {
-            tokens: chunk,
-            start_pos: start + i * buf.max_rows,
-            choice: if i + 1 == chunks {
-                choice
-            } else {
-                Choice::Greedy
-            },
-        };
-        forward(backend, w, buf, input, loops, cancel)?;
-        last_rows = chunk.len();
-    }
+    let last_rows = steps(
+        backend,
+        w,
+        buf,
+        tokens,
+        start,
+        loops,
+        choice,
+        cancel,
+        |_, _, _| Ok(()),
+    )?;
     Ok(last_rows - 1)
 }
 
@@ -279,7 +309,8 @@ pub fn generate<B: Backend>(
     Ok(out.finish())
 }
 
-/// Logits `[n, vocab]` for every position of `tokens` (single step: `tokens.len() <= max_rows`).
+/// Logits `[n, vocab]` for every position of `tokens` (`tokens.len() <= max_rows`; the steps are
+/// cut only at tier changes).
 pub fn score<B: Backend>(
     backend: &B,
     w: &Weights<B>,
@@ -289,16 +320,24 @@ pub fn score<B: Backend>(
     cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
     let vocab = w.config.vocab_size;
-    let n = tokens.len();
-    forward(backend, w, buf, whole(tokens), loops, cancel)?;
-    final_norm(backend, w, buf, n);
-    // Each group of rows is copied straight to its place in the result.
-    let mut out: Vec<f32> = crate::alloc::zeroed(n * vocab, "the logits of a score call")?;
-    for (first, rows) in out.chunks_mut(LOGIT_ROWS * vocab).enumerate() {
-        logits(backend, w, buf, first * LOGIT_ROWS, rows.len() / vocab);
-        backend.read_float_into(&buf.logits, 0, rows)?;
-        check_finite(rows)?;
-    }
+    let mut out: Vec<f32> =
+        crate::alloc::zeroed(tokens.len() * vocab, "the logits of a score call")?;
+    let greedy = Choice::Greedy;
+    steps(
+        backend,
+        w,
+        buf,
+        tokens,
+        0,
+        loops,
+        greedy,
+        cancel,
+        |buf, offset, rows| {
+            // Each group of rows is copied straight to its place in the result.
+            let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
+            for_logit_rows(backend, w, buf, rows, step_out, |_, _| {})
+        },
+    )?;
     Ok(out)
 }
 
@@ -311,10 +350,20 @@ pub fn score_last<B: Backend>(
     loops: usize,
     cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
-    let n = tokens.len();
-    forward(backend, w, buf, whole(tokens), loops, cancel)?;
-    final_norm(backend, w, buf, n);
-    logits(backend, w, buf, n - 1, 1);
+    let greedy = Choice::Greedy;
+    let rows = steps(
+        backend,
+        w,
+        buf,
+        tokens,
+        0,
+        loops,
+        greedy,
+        cancel,
+        |_, _, _| Ok(()),
+    )?;
+    final_norm(backend, w, buf, rows);
+    logits(backend, w, buf, rows - 1, 1);
     finite(backend.read_float(&buf.logits, 0, w.config.vocab_size)?)
 }
 
@@ -328,32 +377,55 @@ pub fn logprobs_chunked<B: Backend>(
     loops: usize,
     cancel: &AtomicBool,
 ) -> Result<Vec<f32>> {
-    let (vocab, n, step) = (w.config.vocab_size, tokens.len(), buf.max_rows);
-    let mut out = Vec::with_capacity(n - 1);
+    let vocab = w.config.vocab_size;
+    let mut out = Vec::with_capacity(tokens.len() - 1);
     let mut values: Vec<f32> = crate::alloc::zeroed(LOGIT_ROWS * vocab, "a group of logits")?;
-    for (i, chunk) in tokens.chunks(step).enumerate() {
-        let start_pos = i * step;
-        let input = StepInput {
-            tokens: chunk,
-            start_pos,
-            choice: Choice::Greedy,
-        };
-        forward(backend, w, buf, input, loops, cancel)?;
-        final_norm(backend, w, buf, chunk.len());
-        for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
-            let rows = LOGIT_ROWS.min(chunk.len() - first);
-            logits(backend, w, buf, first, rows);
-            let values = &mut values[..rows * vocab];
-            backend.read_float_into(&buf.logits, 0, values)?;
-            check_finite(values)?;
-            for (r, row) in values.chunks_exact(vocab).enumerate() {
-                if let Some(&next) = tokens.get(start_pos + first + r + 1) {
-                    out.push(logprob(row, next));
+    let greedy = Choice::Greedy;
+    steps(
+        backend,
+        w,
+        buf,
+        tokens,
+        0,
+        loops,
+        greedy,
+        cancel,
+        |buf, offset, rows| {
+            for_logit_rows(backend, w, buf, rows, &mut values, |row, logits| {
+                if let Some(&next) = tokens.get(offset + row + 1) {
+                    out.push(logprob(logits, next));
                 }
-            }
+            })
+        },
+    )?;
+    Ok(out)
+}
+
+/// The logits of the last step's `rows` rows, `LOGIT_ROWS` at a time, read into `into` (room for
+/// all rows, or for one group reused) and checked finite; `each(row, logits)` sees every row.
+fn for_logit_rows<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    into: &mut [f32],
+    mut each: impl FnMut(usize, &[f32]),
+) -> Result<()> {
+    let vocab = w.config.vocab_size;
+    let whole = into.len() >= rows * vocab;
+    final_norm(backend, w, buf, rows);
+    for first in (0..rows).step_by(LOGIT_ROWS) {
+        let n = LOGIT_ROWS.min(rows - first);
+        logits(backend, w, buf, first, n);
+        let at = if whole { first * vocab } else { 0 };
+        let group = &mut into[at..at + n * vocab];
+        backend.read_float_into(&buf.logits, 0, group)?;
+        check_finite(group)?;
+        for (r, row) in group.chunks_exact(vocab).enumerate() {
+            each(first + r, row);
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// `tokens` as one greedy step from position 0.

@@ -24,12 +24,12 @@
 use std::sync::atomic::AtomicBool;
 
 use super::sampling::{self, Rng};
-use super::{decode, first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
+use super::{first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
 use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    argmax_rows, chosen, chosen_token, decode_step, entropies, measure, verify_step, Buffers,
-    Decode, HIDDEN_ROWS,
+    argmax_rows, chosen, chosen_token, decode_step, entropies, measure, step_rows, verify_step,
+    Buffers, Decode, HIDDEN_ROWS,
 };
 use crate::model::weights::Weights;
 
@@ -89,14 +89,19 @@ pub fn generate<B: Backend>(
     let mut pos = prompt.len();
     let capacity = buf.kv.layout.capacity;
     while out.push(next)? {
-        // A round needs positions pos..=pos + k, and produces up to k + 1 tokens.
+        // A round needs positions pos..=pos + k, and produces up to k + 1 tokens. Its rows must
+        // not straddle a tier change (CTX-TIER or age), so that the verify step computes what
+        // one-token steps would.
         let k = spec
             .draft_len
             .min(out.remaining() - 1)
             .min(capacity.saturating_sub(pos + 1));
+        let k = step_rows(buf, pos, k + 1) - 1;
         if k == 0 {
-            // Too close to an end for a draft: one plain step finishes the call.
-            return decode_rest(backend, w, buf, out, next.token, pos, &mut rng);
+            // Too close to an end or a tier change for a draft: one plain step.
+            next = plain_step(backend, w, buf, &out, next.token, pos, &mut rng)?;
+            pos += 1;
+            continue;
         }
         let round = round(
             backend, w, buf, req, spec, next.token, pos, k, entropy, &mut rng,
@@ -117,28 +122,25 @@ pub fn generate<B: Backend>(
     Ok(out.finish())
 }
 
-/// The rest of a call after `next` was decided at `pos`, without drafting.
-fn decode_rest<B: Backend>(
+/// Feed `token` at `pos` in a plain decode step and return the token chosen after it.
+fn plain_step<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
-    mut out: Output,
-    next: u32,
+    out: &Output,
+    token: u32,
     pos: usize,
     rng: &mut Rng,
-) -> Result<(Vec<u32>, GenerateStats)> {
-    // `next` was taken already: feed it, and continue from its successor.
+) -> Result<Chosen> {
     let input = StepInput {
-        tokens: &[next],
+        tokens: &[token],
         start_pos: pos,
         choice: next_choice(&out.req.sampling, rng),
     };
     let entropy = out.measures();
     let step = Decode::plain(out.req.loops).measured(entropy);
     decode_step(backend, w, buf, input, step)?;
-    let following = chosen(backend, buf, entropy)?;
-    decode(backend, w, buf, &mut out, following, pos + 1, rng)?;
-    Ok(out.finish())
+    chosen(backend, buf, entropy)
 }
 
 /// What one round decided: the accepted drafts followed by the verify pass's token, each with the

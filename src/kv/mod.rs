@@ -41,6 +41,16 @@ impl Default for AgeTiers {
 }
 
 impl AgeTiers {
+    /// The bounds once a sequence is `seq_len` long: whole blocks of positions at least
+    /// `int4_from` (`fp8_from`) older than the sequence's end.
+    pub fn bounds(&self, seq_len: usize) -> TierBounds {
+        let floor = |n: usize| n / AGE_BLOCK * AGE_BLOCK;
+        TierBounds {
+            mid_end: floor(seq_len.saturating_sub(self.int4_from)),
+            old_end: floor(seq_len.saturating_sub(self.fp8_from)),
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         let (a, b) = (self.int4_from, self.fp8_from);
         if a == 0 || !a.is_multiple_of(AGE_BLOCK) || !b.is_multiple_of(AGE_BLOCK) {
@@ -206,6 +216,19 @@ impl<S> KvCache<S> {
         self.layout.bytes(self.slots)
     }
 
+    /// How many of the `rows` rows of a step from position `start` see the age-tier bounds that
+    /// the first row would see alone (all of them outside `age` mode). A step of that many rows
+    /// ages the cache exactly as one-row steps would.
+    pub fn uniform_rows(&self, start: usize, rows: usize) -> usize {
+        let KvMode::Age(tiers) = self.layout.mode else {
+            return rows;
+        };
+        let first = tiers.bounds(start + 1);
+        (1..=rows)
+            .take_while(|&j| tiers.bounds(start + j) == first)
+            .count()
+    }
+
     /// Advance the tier bounds for a step that writes positions `start..end` and return the moves
     /// to make first (entries of positions below `start` that changed tier). A step at position
     /// 0 starts a new sequence.
@@ -217,10 +240,10 @@ impl<S> KvCache<S> {
             return Vec::new();
         };
         let old = self.bounds;
-        let floor = |n: usize| n / AGE_BLOCK * AGE_BLOCK;
+        let at_end = tiers.bounds(end);
         let new = TierBounds {
-            mid_end: old.mid_end.max(floor(end.saturating_sub(tiers.int4_from))),
-            old_end: old.old_end.max(floor(end.saturating_sub(tiers.fp8_from))),
+            mid_end: old.mid_end.max(at_end.mid_end),
+            old_end: old.old_end.max(at_end.old_end),
         };
         self.bounds = new;
         // Positions at or after `start` are written by this step straight into their tier.

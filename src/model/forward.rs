@@ -220,6 +220,16 @@ pub fn forward<B: Backend>(
     run(backend, w, buf, rows, Span::all(loops), Some(cancel))
 }
 
+/// The rows of the next step over `remaining` tokens from position `start`: as many as the buffers
+/// hold, cut where the CTX-TIER tier or the age-tier bounds change, so that every row of the step
+/// computes what it would compute fed alone (the tiers are functions of positions, not of how a
+/// sequence is cut into steps).
+pub fn step_rows<B: Backend>(buf: &Buffers<B>, start: usize, remaining: usize) -> usize {
+    let rows = remaining.min(buf.max_rows);
+    let (_, same_tier) = buf.tier.ahead(start, rows);
+    same_tier.min(buf.kv.uniform_rows(start, rows))
+}
+
 /// Validate a step of up to `loops` iterations, observe its sequence length (CTX-TIER: the loop
 /// body may change precision), make room in the KV cache (and move entries that changed age
 /// tier), and stage its tokens, position and tier bounds. Then [`run`] its spans.

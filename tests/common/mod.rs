@@ -52,7 +52,8 @@ pub fn tokens(n: usize, vocab: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Prefill `prompt` through the forward pass in steps of `chunk` rows (0: one step), then decode
+/// Prefill `prompt` through the forward pass in steps of `chunk` rows (0: one step, both cut at
+/// age-tier changes as the library's prefill is), then decode
 /// `steps` greedy tokens. Returns the logits after the prompt and after each decode step, and
 /// the tokens chosen from them.
 pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
@@ -66,7 +67,7 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
     use tinyloop::backend::{Choice, StepInput};
     use tinyloop::model::forward::{
-        choose, chosen_token, decode_step, final_norm, forward, logits, Buffers, Decode,
+        choose, chosen_token, decode_step, final_norm, forward, logits, step_rows, Buffers, Decode,
     };
     let rows = if chunk == 0 { prompt.len() } else { chunk };
     let mut buf = Buffers::new(
@@ -79,15 +80,19 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
     .unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);
     let vocab = weights.config.vocab_size;
-    for (i, part) in prompt.chunks(rows).enumerate() {
+    // Steps as the library cuts them: at most `rows`, never across an age-tier change.
+    let mut start = 0;
+    let mut last = 0;
+    while start < prompt.len() {
+        let n = step_rows(&buf, start, prompt.len() - start);
         let input = StepInput {
-            tokens: part,
-            start_pos: i * rows,
+            tokens: &prompt[start..start + n],
+            start_pos: start,
             choice: Choice::Greedy,
         };
         forward(backend, weights, &mut buf, input, loops, &never).unwrap();
+        (start, last) = (start + n, n - 1);
     }
-    let last = (prompt.len() - 1) % rows;
     final_norm(backend, weights, &mut buf, last + 1);
     logits(backend, weights, &mut buf, last, 1);
     choose(backend, weights, &mut buf);
