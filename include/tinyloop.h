@@ -582,6 +582,27 @@ enum tl_status tl_logprobs(const struct tl_model *model, const int32_t *tokens, 
 // As `tl_session_score`.
 enum tl_status tl_session_logprobs(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
 
+// `tl_logprobs` computed through the decode path, on the model's default session: each token
+// but the last is fed as its own one-row decode step, exactly as generation feeds the tokens
+// it produces, so the values are those a generation call computes (docs/NUMERICS.md "Scoring
+// through the decode path"). n_tokens >= 2 and <= max_seq_len (not limited by
+// prefill_chunk); `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// As `tl_score_last`.
+enum tl_status tl_logprobs_decode(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// `tl_session_logprobs` computed through the decode path (as `tl_logprobs_decode`), into
+// `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_session_score`.
+enum tl_status tl_session_logprobs_decode(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
 // Build a prefix cache: run `tokens[0..n_tokens]` at `loops` (TL_LOOPS_DEFAULT = model
 // default) on the model's default session and keep its KV entries. On success `*out_cache`
 // receives the handle. Generation with it (`tl_generate_params.prefix_cache`) on any session
@@ -692,9 +713,10 @@ enum tl_status tl_session_score_logit_lens(const struct tl_session *session, con
 
 // The trajectory of the last position of `tokens[0..n_tokens]` through the loop iterations:
 // one `tl_trajectory_point` per iteration (hidden norm, relative change, KL to the previous
-// iteration, entropy, argmax; DESIGN.md §6) into `out[0..*len]`, `loops` points
-// (TL_LOOPS_DEFAULT: default_loops). `cap` must be >= loops, else `TL_ERR_BUFFER_TOO_SMALL`
-// with `*len = loops`. The first L' points at `loops` are the points at L'.
+// iteration, entropy, argmax; docs/NUMERICS.md "Logit lens and trajectory") into
+// `out[0..*len]`, `loops` points (TL_LOOPS_DEFAULT: default_loops). `cap` must be >= loops,
+// else `TL_ERR_BUFFER_TOO_SMALL` with `*len = loops`. The first L' points at `loops` are the
+// points at L'.
 //
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 //

@@ -277,6 +277,24 @@ impl Session {
         result
     }
 
+    /// [`Session::logprobs`] computed through the decode path: each token but the last is fed as
+    /// its own one-row decode step, exactly as generation feeds the tokens it produces, so the
+    /// values are what a generation call computes (docs/NUMERICS.md "Scoring through the decode
+    /// path"). Not limited by `prefill_chunk`; at most `max_seq_len` tokens.
+    pub fn logprobs_decode(&mut self, tokens: &[u32], loops: Option<usize>) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Err(Error::invalid("logprobs needs at least 2 tokens"));
+        }
+        self.start_call(None)?;
+        let loops = self.check_tokens(tokens, loops)?;
+        let cancel = self.cancel.clone();
+        let result = with_backend!(self, |b, w, buf| generate::logprobs_decode(
+            b, w, buf, tokens, loops, &cancel
+        ));
+        self.account();
+        result
+    }
+
     /// What CTX-TIER observed in the last call that had a tier policy (generation or
     /// [`Session::logprobs_with`]); `None` when the last call had none.
     pub fn last_ctx_tier_stats(&self) -> Option<CtxTierStats> {

@@ -127,6 +127,33 @@ fn score_reports_nll_and_perplexity() {
     assert!(nll > 0.0);
 }
 
+/// `--decode-path` scores through one-row decode steps. On the CPU they compute every row as the
+/// one-step score does (docs/NUMERICS.md "Scoring through the decode path"), so the report is
+/// the same to the last digit. A tier policy would observe other steps: the two conflict.
+#[test]
+fn score_through_the_decode_path_reports_the_same_numbers() {
+    let m = model();
+    let score = |extra: &[&str]| {
+        let mut args = vec![
+            &m[..],
+            "score",
+            "--text",
+            "hello world, hello",
+            "--window",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        args.push("--json");
+        serde_json::from_str::<serde_json::Value>(&stdout(&tinyloop(&args))).unwrap()
+    };
+    assert_eq!(score(&["--decode-path"]), score(&[]));
+    assert_one_line_error(
+        &tinyloop(&[&m, "score", "--text", "xyz", "--decode-path", "--ctx-tier"]),
+        "--decode-path with --ctx-tier",
+        "cannot be used with",
+    );
+}
+
 #[test]
 fn bench_reports_every_field() {
     let out = stdout(&tinyloop(&[

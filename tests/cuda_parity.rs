@@ -7,7 +7,8 @@
 //!   factorized tied head) at INT4, INT2 and FP16, loops 1, 4 and 8: logits of `score` (prefill
 //!   path) and of every decode step (the captured-graph path); greedy generation of 64 tokens
 //!   identical on `tiny` and `small`; sampled decode steps choose exactly the token the host
-//!   sampler picks from the GPU's own logits.
+//!   sampler picks from the GPU's own logits; the decode-path log-probabilities
+//!   (`Session::logprobs_decode`) within twice the logits' bound (`logprobs_decode_parity`).
 //!
 //! Without a usable GPU each test writes "skipped: no CUDA device (why)" to stderr and returns;
 //! with TINYLOOP_REQUIRE_CUDA=1 (set by the GPU bundle's run-tests.sh) absence is a failure.
@@ -1232,6 +1233,49 @@ fn decode_parity(
     ));
 }
 
+/// `Session::logprobs_decode` (every token a one-row decode step: GEMV, decode attention and
+/// captured graphs on the GPU) against the CPU, whose decode path equals its one-step scoring bit
+/// for bit (tests/generate.rs). The step logits obey the parity bound ‖Δl‖₂ ≤ tol · ‖l‖₂ with
+/// `tol = model_tol(A)` (one-row steps keep f32 attention probabilities), and a log-probability
+/// `l[t] − logsumexp(l)` moves by `Δl[t] − Σ p Δl`, at most 2 · max|Δl| ≤ 2 · tol · ‖l‖₂: the
+/// bound of each position, with ‖l‖₂ from the CPU's logits of that row.
+fn logprobs_decode_parity(name: &str, group: usize, seq: usize, failures: &mut Vec<String>) {
+    let path = synth(name, 4, group);
+    let (cpu, gpu) = (
+        open(&path, Device::Cpu, 128),
+        open(&path, Device::Cuda(0), 128),
+    );
+    let config = cpu.config().clone();
+    let vocab = config.vocab_size;
+    let tokens = prompt(seq, vocab, 17);
+    let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
+    for &loops in loop_counts() {
+        let tol = model_tol(config.applications(loops));
+        let logits = cs.score(&tokens, Some(loops)).unwrap();
+        let c = cs.logprobs(&tokens, Some(loops)).unwrap();
+        let g = gs.logprobs_decode(&tokens, Some(loops)).unwrap();
+        let mut worst = 0f64;
+        for (i, (&a, &b)) in g.iter().zip(&c).enumerate() {
+            let norm = logits[i * vocab..(i + 1) * vocab]
+                .iter()
+                .map(|&v| (v as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            worst = worst.max((a as f64 - b as f64).abs() / (2.0 * tol * norm));
+        }
+        report(&format!(
+            "parity {name:9} int4  fp16       L={loops}: logprobs_decode({seq}) worst |Δ| / bound {worst:.2e} {}",
+            if worst <= 1.0 { "ok" } else { "FAIL" }
+        ));
+        if g.len() != c.len() || worst > 1.0 {
+            failures.push(format!(
+                "{name} loops={loops}: logprobs_decode {worst:.3e} of the bound ({} values)",
+                g.len()
+            ));
+        }
+    }
+}
+
 /// Greedy generation in KV mode `mode`: identical tokens, except after a near tie. The logits
 /// of the two backends differ by at most `tol · ‖logits‖₂` per element (the parity bound), so
 /// the GPU may pick another token only where the CPU's best two logits are within twice that;
@@ -1324,6 +1368,7 @@ fn cuda_parity_tiny() {
     score_parity("tiny", 64, 24, fp16, &mut failures);
     decode_parity("tiny", 4, 64, 6, fp16, &mut failures);
     decode_parity("tiny", 2, 64, 6, fp16, &mut failures);
+    logprobs_decode_parity("tiny", 64, 40, &mut failures);
     generate_parity("tiny", 64, 8, 64, fp16, &mut failures);
     finish("cuda_parity_tiny", failures);
 }
@@ -1351,6 +1396,7 @@ fn cuda_parity_tiny_gqa() {
     score_parity("tiny-gqa", 64, 24, fp16, &mut failures);
     decode_parity("tiny-gqa", 4, 64, 6, fp16, &mut failures);
     decode_parity("tiny-gqa", 16, 64, 6, fp16, &mut failures);
+    logprobs_decode_parity("tiny-gqa", 64, 40, &mut failures);
     finish("cuda_parity_tiny_gqa", failures);
 }
 

@@ -126,6 +126,50 @@ fn logprobs_are_log_softmax_of_score() {
     );
 }
 
+/// The bit patterns of a vector of f32, so that equality means bit for bit.
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// On the CPU a row's arithmetic does not depend on how many rows its step has: every linear
+/// output is one dot product summed in a fixed order (backend/cpu/linear.rs), norms, RoPE and
+/// SwiGLU work row by row, and attention reads every position, the row's own included, from the
+/// cache. So in the fp16 KV mode logprobs fed one decode step at a time equal the one-step
+/// (prefill) logprobs bit for bit, at every loop count; no tolerance is needed (the GPU, whose
+/// one-row and multi-row products sum in different orders, is held to the parity tolerance in
+/// tests/cuda_parity.rs instead).
+#[test]
+fn decode_path_logprobs_equal_prefill_logprobs_bit_for_bit() {
+    for preset in ["tiny", "tiny-gqa"] {
+        let model = open_cpu(&synth_file(preset, 5, 4));
+        let mut s = model.new_session().unwrap();
+        let input = tokens(24, model.config().vocab_size, 8);
+        for loops in [1, 2, 5] {
+            let prefill = s.logprobs(&input, Some(loops)).unwrap();
+            let decode = s.logprobs_decode(&input, Some(loops)).unwrap();
+            assert_eq!(decode.len(), input.len() - 1);
+            assert_eq!(bits(&decode), bits(&prefill), "{preset} loops {loops}");
+        }
+    }
+}
+
+/// The decode path feeds one row per step, so `prefill_chunk` (which bounds the step buffers and
+/// refuses longer one-step scores) does not limit it; the values equal the chunked logprobs.
+#[test]
+fn decode_path_logprobs_are_not_limited_by_the_prefill_chunk() {
+    let options = ModelOptions {
+        prefill_chunk: 8,
+        ..common::cpu_options()
+    };
+    let model = Model::open(synth_file("tiny", 1, 4), &options).unwrap();
+    let mut s = model.new_session().unwrap();
+    let input = tokens(20, 256, 6);
+    assert!(s.logprobs(&input, Some(3)).is_err(), "one step of 20 rows");
+    let chunked = s.logprobs_with(&input, Some(3), None).unwrap();
+    let decode = s.logprobs_decode(&input, Some(3)).unwrap();
+    assert_eq!(bits(&decode), bits(&chunked));
+}
+
 #[test]
 fn stop_tokens_end_generation_and_are_not_returned() {
     let model = open_cpu(&synth_file("tiny", 1, 4));
@@ -295,6 +339,19 @@ fn bad_inputs_are_clear_errors() {
             ),
         ),
         ("at least 2 tokens", s.logprobs(&[3], None).map(|_| vec![])),
+        (
+            "at least 2 tokens",
+            s.logprobs_decode(&[3], None).map(|_| vec![]),
+        ),
+        (
+            "257 tokens exceed max_seq_len 256",
+            s.logprobs_decode(&tokens(257, 256, 0), None)
+                .map(|_| vec![]),
+        ),
+        (
+            "out of range for vocab_size 256",
+            s.logprobs_decode(&[1, 256], None).map(|_| vec![]),
+        ),
     ];
     for (expected, result) in cases {
         match result {

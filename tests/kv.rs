@@ -127,6 +127,23 @@ fn decode_steps_equal_full_recompute_in_every_mode() {
     }
 }
 
+/// The decode path (`Session::logprobs_decode`, one row per step) computes each row as a
+/// one-step score does, since the cache holds the same entries whenever they were written; so
+/// in every mode but age its logprobs equal the prefill ones bit for bit.
+#[test]
+fn decode_path_logprobs_equal_prefill_logprobs_in_every_mode_but_age() {
+    let path = synth_file("tiny-gqa", 4, 4);
+    for mode in MODES.iter().filter(|m| !m.starts_with("age")) {
+        let model = open_in(&path, mode, 64);
+        let mut s = model.new_session().unwrap();
+        let input = tokens(20, model.config().vocab_size, 2);
+        let prefill = s.logprobs(&input, Some(3)).unwrap();
+        let decode = s.logprobs_decode(&input, Some(3)).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&decode), bits(&prefill), "{mode}");
+    }
+}
+
 /// Quantized modes against fp16: logits within each mode's envelope. The envelopes are the
 /// quantization error of a cached vector, derived in docs/QUALITY.md: for symmetric rounding
 /// with step s = amax / qmax the error of a value is uniform in ±s/2 (rms s/√12), and for

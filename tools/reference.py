@@ -19,9 +19,9 @@ types and divisibility), the tensor set (exactly the names the config implies), 
 dtype/shape/group_size, 64-byte aligned offsets, lengths equal to the implied length, data inside
 the file, and CRC-32 (zlib) of each tensor. Failures raise FormatError naming the failure point.
 
-Numerics (FORMAT.md "Numerics"): every quantity FORMAT.md keeps in f32 (residual stream, linear
+Numerics (docs/NUMERICS.md): every quantity the runtime keeps in f32 (residual stream, linear
 outputs, attention scores, softmax, logits) is carried here in float64 instead, i.e. with *less*
-rounding than a backend; the f16 rounding points are applied exactly where FORMAT.md puts them:
+rounding than a backend; the f16 rounding points are applied exactly where NUMERICS.md puts them:
   * the output of every norm (attn_norm, mlp_norm, final_norm)           -> f16
   * Q, K, V after the QKV projection and RoPE (RoPE applied to the unrounded projection) -> f16
   * the attention output (input of attn_out)                               -> f16
@@ -33,8 +33,9 @@ their cos and sin rounded to float32. So a correct backend's logits should match
 the f32 accumulation error (relative ~1e-5 .. 1e-4 for small models); the dominant shared error,
 the f16 activations, is identical.
 
-Readout choice for `logit_lens` (not in FORMAT.md; DESIGN.md §6): after each loop iteration the
-state is read out through final_norm + head only (post blocks are not applied).
+`logit_lens` (docs/NUMERICS.md "Logit lens and trajectory"): after each loop iteration the state
+is read out through the post blocks (on a copy: the next iteration continues from the loop's own
+state), final_norm and the head, so row L is the last position's logits at L loops.
 """
 
 import argparse
@@ -379,7 +380,10 @@ class Reference:
             for j in range(cfg["n_loop_blocks"]):
                 x = self.block(x, f"loop.{j}", cos, sin)
             if lens:
-                lens_rows.append(self.readout(x[-1:])[0])
+                y = x
+                for i in range(cfg["n_post_blocks"]):
+                    y = self.block(y, f"post.{i}", cos, sin)
+                lens_rows.append(self.readout(y[-1:])[0])
         for i in range(cfg["n_post_blocks"]):
             x = self.block(x, f"post.{i}", cos, sin)
         out = self.readout(x)
@@ -405,7 +409,8 @@ def logits(path, tokens, loops=None):
 
 
 def logit_lens(path, tokens, loops=None):
-    """float32 [L, vocab]: last-position logits (final_norm + head) after each loop iteration."""
+    """float32 [L, vocab]: last-position logits (post blocks, final_norm, head) after each loop
+    iteration."""
     return _ref(path).forward(tokens, loops, lens=True)[1].astype(np.float32)
 
 
@@ -537,8 +542,7 @@ def selftest():
         r = Reference(p)
         out, lens = r.forward(toks, 3, lens=True)
         assert out.shape == (len(toks), cfg["vocab_size"]) and np.isfinite(out).all()
-        if cfg["n_post_blocks"] == 0:
-            assert np.allclose(lens[-1], out[-1]), "logit lens last row == final logits"
+        assert np.allclose(lens[-1], out[-1]), "logit lens last row == final logits"
         # causality: a prefix gives the same logits on its positions
         assert np.array_equal(r.forward(toks[:5], 3), out[:5]), "prefix invariance"
         # quantization round-trip: the dequantized weights are within half a step of the originals

@@ -380,6 +380,12 @@ public:
         return score_call(Self::c_logprobs, tokens, loops);
     }
 
+    /// logprobs computed through the decode path: each token but the last fed as its own
+    /// one-row decode step, exactly as generation feeds the tokens it produces.
+    std::vector<float> logprobs_decode(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
+        return score_call(Self::c_logprobs_decode, tokens, loops);
+    }
+
     /// Stop the generation running (in another thread) at its next token; it then throws
     /// Error with TL_ERR_CANCELLED. Callable from any thread.
     void cancel() const { check(Self::c_cancel(handle())); }
@@ -557,6 +563,7 @@ public:
     static constexpr auto c_score_last = tl_score_last;
     static constexpr auto c_score = tl_score;
     static constexpr auto c_logprobs = tl_logprobs;
+    static constexpr auto c_logprobs_decode = tl_logprobs_decode;
     static constexpr auto c_cancel = tl_cancel;
     static constexpr auto c_score_logit_lens = tl_score_logit_lens;
     static constexpr auto c_score_trajectory = tl_score_trajectory;
@@ -594,6 +601,7 @@ public:
     static constexpr auto c_score_last = tl_session_score_last;
     static constexpr auto c_score = tl_session_score;
     static constexpr auto c_logprobs = tl_session_logprobs;
+    static constexpr auto c_logprobs_decode = tl_session_logprobs_decode;
     static constexpr auto c_cancel = tl_session_cancel;
     static constexpr auto c_score_logit_lens = tl_session_score_logit_lens;
     static constexpr auto c_score_trajectory = tl_session_score_trajectory;

@@ -401,6 +401,7 @@ const (
 	scoreLast = iota
 	scoreAll
 	scoreLogprobs
+	scoreLogprobsDecode
 )
 
 func (r *runner) doGenerate(ctx context.Context, tokens []int32, o *GenerateOptions) ([]int32, error) {
@@ -460,7 +461,7 @@ func (r *runner) doScore(method string, kind int, vocab int, tokens []int32, loo
 	switch kind {
 	case scoreAll:
 		size = vocab * len(tokens)
-	case scoreLogprobs:
+	case scoreLogprobs, scoreLogprobsDecode:
 		size = len(tokens) - 1
 	}
 	if size < 1 {
@@ -554,6 +555,8 @@ func Open(path string, opts *Options) (*Model, error) {
 			return C.tl_score(ptr, tok, n, loops, out, outCap, outLen)
 		case scoreLogprobs:
 			return C.tl_logprobs(ptr, tok, n, loops, out, outCap, outLen)
+		case scoreLogprobsDecode:
+			return C.tl_logprobs_decode(ptr, tok, n, loops, out, outCap, outLen)
 		}
 		return C.tl_score_last(ptr, tok, n, loops, out, outCap, outLen)
 	}
@@ -720,6 +723,16 @@ func (m *Model) Logprobs(tokens []int32, loops int) ([]float32, error) {
 	return m.doScore("Logprobs", scoreLogprobs, vocab, tokens, loops)
 }
 
+// LogprobsDecode is Logprobs computed through the decode path: each token but the last is fed
+// as its own one-row decode step, exactly as generation feeds the tokens it produces.
+func (m *Model) LogprobsDecode(tokens []int32, loops int) ([]float32, error) {
+	vocab, err := m.vocab("LogprobsDecode")
+	if err != nil {
+		return nil, err
+	}
+	return m.doScore("LogprobsDecode", scoreLogprobsDecode, vocab, tokens, loops)
+}
+
 // Cancel stops the generation running on the default session at its next token.
 func (m *Model) Cancel() error { return m.doCancel() }
 
@@ -761,6 +774,8 @@ func (m *Model) NewSession() (*Session, error) {
 			return C.tl_session_score(ptr, tok, n, loops, out, outCap, outLen)
 		case scoreLogprobs:
 			return C.tl_session_logprobs(ptr, tok, n, loops, out, outCap, outLen)
+		case scoreLogprobsDecode:
+			return C.tl_session_logprobs_decode(ptr, tok, n, loops, out, outCap, outLen)
 		}
 		return C.tl_session_score_last(ptr, tok, n, loops, out, outCap, outLen)
 	}
@@ -801,6 +816,11 @@ func (s *Session) Score(tokens []int32, loops int) ([]float32, error) {
 // Logprobs is Model.Logprobs on this session.
 func (s *Session) Logprobs(tokens []int32, loops int) ([]float32, error) {
 	return s.doScore("Logprobs", scoreLogprobs, s.vsize, tokens, loops)
+}
+
+// LogprobsDecode is Model.LogprobsDecode on this session.
+func (s *Session) LogprobsDecode(tokens []int32, loops int) ([]float32, error) {
+	return s.doScore("LogprobsDecode", scoreLogprobsDecode, s.vsize, tokens, loops)
 }
 
 // Cancel stops the generation running on this session at its next token.

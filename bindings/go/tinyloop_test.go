@@ -233,6 +233,31 @@ func TestGenerateStreamAndScore(t *testing.T) {
 	}
 }
 
+// On the CPU a row is computed alike in a one-row decode step and in a one-step score
+// (docs/NUMERICS.md "Scoring through the decode path"): the two agree bit for bit.
+func TestLogprobsDecodeEqualsLogprobsOnCPU(t *testing.T) {
+	m := open(t, 64)
+	tokens := append(append([]int32{}, prompt...), prompt...)
+	for _, loops := range []int{1, 4} {
+		want, err := m.Logprobs(tokens, loops)
+		if err != nil {
+			t.Fatalf("Logprobs: %v", err)
+		}
+		got, err := m.LogprobsDecode(tokens, loops)
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("LogprobsDecode at %d loops: %v (%v), want %v", loops, got, err, want)
+		}
+	}
+	s, err := m.NewSession()
+	if err != nil {
+		t.Fatalf("NewSession: %v", err)
+	}
+	defer s.Close()
+	if _, err := s.LogprobsDecode(tokens[:1], LoopsDefault); !errors.Is(err, ErrInvalidArgument) {
+		t.Fatalf("one token: %v, want ErrInvalidArgument", err)
+	}
+}
+
 func TestInvalidArguments(t *testing.T) {
 	m := open(t, 64)
 	ctx := context.Background()

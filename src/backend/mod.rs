@@ -1,7 +1,7 @@
 //! The op set the forward pass needs. The forward pass (model/forward.rs) is written once over
 //! this trait; `cpu` is the reference implementation, `cuda` the fast path.
 //!
-//! Numerics contract, shared by every backend (docs/FORMAT.md "Numerics"):
+//! Numerics contract, shared by every backend (docs/NUMERICS.md specifies each operation):
 //! * the residual stream, linear outputs, attention scores and logits are f32;
 //! * linear inputs are f16: the outputs of norms, attention and SwiGLU are rounded to f16;
 //! * linear weights are dequantized as `scale · q + zero` in f32 and accumulated in f32;

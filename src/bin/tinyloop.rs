@@ -296,6 +296,10 @@ struct ScoreArgs {
     /// [0, 128), [128, 256) and, for longer windows, [256, window).
     #[arg(long, value_name = "EDGES")]
     buckets: Option<BucketEdges>,
+    /// Feed every token as its own one-row decode step, as generation does, instead of the
+    /// window as one step (to check the decode path; slower).
+    #[arg(long, conflicts_with = "ctx_tier")]
+    decode_path: bool,
     #[command(flatten)]
     ctx_tier: CtxTierArgs,
 }
@@ -973,7 +977,9 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         if window.len() < 2 {
             continue;
         }
-        let logprobs = if stepwise {
+        let logprobs = if args.decode_path {
+            session.logprobs_decode(window, args.common.loops)?
+        } else if stepwise {
             let lp = session.logprobs_with(window, args.common.loops, policy.as_ref())?;
             if let Some(t) = session.last_ctx_tier_stats() {
                 (short_steps, long_steps) =

@@ -442,6 +442,79 @@ pub unsafe extern "C" fn tl_session_logprobs(
     }
 }
 
+/// `tl_logprobs` computed through the decode path, on the model's default session: each token
+/// but the last is fed as its own one-row decode step, exactly as generation feeds the tokens
+/// it produces, so the values are those a generation call computes (docs/NUMERICS.md "Scoring
+/// through the decode path"). n_tokens >= 2 and <= max_seq_len (not limited by
+/// prefill_chunk); `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`.
+///
+/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+///
+/// # Safety
+/// As `tl_score_last`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_logprobs_decode(
+    model: *const tl_model,
+    tokens: *const i32,
+    n_tokens: usize,
+    loops: i32,
+    out: *mut f32,
+    cap: usize,
+    len: *mut usize,
+) -> tl_status {
+    let target = Target::Model(model);
+    let func = "tl_logprobs_decode";
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        score(
+            target,
+            func,
+            Rows::LogprobsDecode,
+            tokens,
+            n_tokens,
+            loops,
+            out,
+            cap,
+            len,
+        )
+    }
+}
+
+/// `tl_session_logprobs` computed through the decode path (as `tl_logprobs_decode`), into
+/// `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).
+///
+/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+///
+/// # Safety
+/// As `tl_session_score`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_session_logprobs_decode(
+    session: *const tl_session,
+    tokens: *const i32,
+    n_tokens: usize,
+    loops: i32,
+    out: *mut f32,
+    cap: usize,
+    len: *mut usize,
+) -> tl_status {
+    let target = Target::Session(session);
+    let func = "tl_session_logprobs_decode";
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        score(
+            target,
+            func,
+            Rows::LogprobsDecode,
+            tokens,
+            n_tokens,
+            loops,
+            out,
+            cap,
+            len,
+        )
+    }
+}
+
 /// What a score call returns.
 #[derive(Clone, Copy)]
 enum Rows {
@@ -451,6 +524,8 @@ enum Rows {
     All,
     /// `tl_logprobs`: the log-probability of each next token.
     Logprobs,
+    /// `tl_logprobs_decode`: the same, each token fed as a decode step.
+    LogprobsDecode,
 }
 
 impl Rows {
@@ -462,8 +537,10 @@ impl Rows {
             Rows::All => n
                 .checked_mul(vocab)
                 .ok_or_else(|| Failure::invalid("n_tokens * vocab_size overflows")),
-            Rows::Logprobs if n < 2 => Err(Failure::invalid("logprobs needs at least 2 tokens")),
-            Rows::Logprobs => Ok(n - 1),
+            Rows::Logprobs | Rows::LogprobsDecode if n < 2 => {
+                Err(Failure::invalid("logprobs needs at least 2 tokens"))
+            }
+            Rows::Logprobs | Rows::LogprobsDecode => Ok(n - 1),
         }
     }
 }
@@ -495,6 +572,7 @@ unsafe fn score(
                         Rows::Last => s.score_last(&tokens, loops),
                         Rows::All => s.score(&tokens, loops),
                         Rows::Logprobs => s.logprobs(&tokens, loops),
+                        Rows::LogprobsDecode => s.logprobs_decode(&tokens, loops),
                     }?)
                 })
             }

@@ -1,4 +1,4 @@
-//! The calls that exist because the model loops (DESIGN.md §6): the logit lens and trajectory,
+//! The calls that exist because the model loops: the logit lens and trajectory,
 //! self-speculative generation, resuming a prompt at another depth, and the statistics of the
 //! last generation call. Each operation is one function over a [`Target`], with its two entry
 //! points side by side.
@@ -96,9 +96,10 @@ unsafe fn score_logit_lens(
 
 /// The trajectory of the last position of `tokens[0..n_tokens]` through the loop iterations:
 /// one `tl_trajectory_point` per iteration (hidden norm, relative change, KL to the previous
-/// iteration, entropy, argmax; DESIGN.md §6) into `out[0..*len]`, `loops` points
-/// (TL_LOOPS_DEFAULT: default_loops). `cap` must be >= loops, else `TL_ERR_BUFFER_TOO_SMALL`
-/// with `*len = loops`. The first L' points at `loops` are the points at L'.
+/// iteration, entropy, argmax; docs/NUMERICS.md "Logit lens and trajectory") into
+/// `out[0..*len]`, `loops` points (TL_LOOPS_DEFAULT: default_loops). `cap` must be >= loops,
+/// else `TL_ERR_BUFFER_TOO_SMALL` with `*len = loops`. The first L' points at `loops` are the
+/// points at L'.
 ///
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 ///

@@ -273,7 +273,8 @@ pub(crate) fn decode<B: Backend>(
 }
 
 /// Logits as returned to a caller, who must never receive NaN or infinity: finite weights can
-/// still overflow the f16 intermediates (docs/FORMAT.md "Numerics"), and that is an error.
+/// still overflow the f16 intermediates, and that is an error (docs/NUMERICS.md "What the calls
+/// return").
 pub(crate) fn finite(logits: Vec<f32>) -> Result<Vec<f32>> {
     check_finite(&logits)?;
     Ok(logits)
@@ -426,6 +427,38 @@ fn for_logit_rows<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// `log p(tokens[i + 1] | tokens[..=i])` for `i < n − 1`, each of `tokens[..n − 1]` fed as its
+/// own one-row decode step from position 0, exactly as generation feeds the tokens it produces
+/// (the decode path: on the GPU its GEMV, attention and captured-graph kernels). Checked for
+/// cancellation before each step.
+pub fn logprobs_decode<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    loops: usize,
+    cancel: &AtomicBool,
+) -> Result<Vec<f32>> {
+    let vocab = w.config.vocab_size;
+    let mut out = Vec::with_capacity(tokens.len() - 1);
+    let mut row: Vec<f32> = crate::alloc::zeroed(vocab, "a row of logits")?;
+    for (pos, pair) in tokens.windows(2).enumerate() {
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
+        let input = StepInput {
+            tokens: &pair[..1],
+            start_pos: pos,
+            choice: Choice::Greedy,
+        };
+        decode_step(backend, w, buf, input, Decode::plain(loops))?;
+        backend.read_float_into(&buf.logits, 0, &mut row)?;
+        check_finite(&row)?;
+        out.push(logprob(&row, pair[1]));
+    }
+    Ok(out)
 }
 
 /// `tokens` as one greedy step from position 0.

@@ -68,7 +68,8 @@ impl AgeTiers {
     }
 }
 
-/// What the KV cache stores per position and block application (DESIGN.md §6).
+/// What the KV cache stores per position and block application (docs/NUMERICS.md "KV cache
+/// modes").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvMode {
     /// K and V in f16.
@@ -82,7 +83,8 @@ pub enum KvMode {
     Int4H,
     /// K and V in INT8 with an f16 scale per token and head.
     Int8,
-    /// Like `Int8`, but loop iteration i > 1 stores K_i − K_{i−1} and V_i − V_{i−1}.
+    /// Like `Int8`, but loop iteration i > 1 stores K_i − K̂_{i−1} and V_i − V̂_{i−1}, against
+    /// the reconstruction K̂_{i−1} (the sum of the stored iterations 1..i−1).
     Delta,
     /// Delta entries whose precision falls with their age (AGE-KV).
     Age(AgeTiers),

@@ -130,6 +130,10 @@ static void test_null_arguments(tl_model *m) {
     EXPECT(tl_logprobs(m, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs tokens NULL");
     EXPECT(tl_logprobs(m, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs out NULL");
     EXPECT(tl_logprobs(m, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_logprobs len NULL");
+    EXPECT(tl_logprobs_decode(NULL, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs_decode model NULL");
+    EXPECT(tl_logprobs_decode(m, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs_decode tokens NULL");
+    EXPECT(tl_logprobs_decode(m, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_logprobs_decode out NULL");
+    EXPECT(tl_logprobs_decode(m, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_logprobs_decode len NULL");
 
     EXPECT(tl_session_generate(NULL, PROMPT, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_generate session NULL");
     EXPECT(tl_session_generate(s, NULL, N_PROMPT, &gp, out, 8, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_generate tokens NULL");
@@ -150,6 +154,10 @@ static void test_null_arguments(tl_model *m) {
     EXPECT(tl_session_logprobs(s, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs tokens NULL");
     EXPECT(tl_session_logprobs(s, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs out NULL");
     EXPECT(tl_session_logprobs(s, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs len NULL");
+    EXPECT(tl_session_logprobs_decode(NULL, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs_decode session NULL");
+    EXPECT(tl_session_logprobs_decode(s, NULL, 2, TL_LOOPS_DEFAULT, logits, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs_decode tokens NULL");
+    EXPECT(tl_session_logprobs_decode(s, PROMPT, 2, TL_LOOPS_DEFAULT, NULL, 512, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs_decode out NULL");
+    EXPECT(tl_session_logprobs_decode(s, PROMPT, 2, TL_LOOPS_DEFAULT, logits, 512, NULL), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs_decode len NULL");
 
     /* NULL where NULL means "default" or "nothing". */
     EXPECT(tl_generate(m, PROMPT, N_PROMPT, NULL, out, 8, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_generate params NULL = defaults (max_tokens 128 > cap 8)");
@@ -309,6 +317,12 @@ static void test_buffers(tl_model *m) {
     EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 4, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_logprobs cap < n - 1");
     CHECK(len == 5, "  ... *len = 5");
     EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 5, &len), TL_OK, "tl_logprobs");
+    float decoded[5];
+    EXPECT(tl_logprobs_decode(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, decoded, 4, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_logprobs_decode cap < n - 1");
+    CHECK(len == 5, "  ... *len = 5");
+    EXPECT(tl_logprobs_decode(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, decoded, 5, &len), TL_OK, "tl_logprobs_decode");
+    /* On the CPU one-row and one-step rows are computed alike (docs/NUMERICS.md). */
+    CHECK(len == 5 && memcmp(decoded, logits, sizeof decoded) == 0, "  ... == tl_logprobs (bitwise, CPU)");
 
     char dev[64];
     EXPECT(tl_model_device(m, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_model_device size query");
@@ -334,6 +348,10 @@ static void test_buffers(tl_model *m) {
     for (size_t i = 0; i < 5; i++) lp_ok = lp_ok && logits[i] <= 0.0f && isfinite(logits[i]);
     CHECK(lp_ok, "  ... 5 finite log-probabilities <= 0");
     EXPECT(tl_session_logprobs(s, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 5, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs with 1 token");
+    EXPECT(tl_session_logprobs_decode(s, PROMPT, 1, TL_LOOPS_DEFAULT, logits, 5, &len), TL_ERR_INVALID_ARGUMENT, "tl_session_logprobs_decode with 1 token");
+    EXPECT(tl_session_logprobs_decode(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, NULL, 0, &len), TL_ERR_BUFFER_TOO_SMALL, "tl_session_logprobs_decode size query");
+    CHECK(len == 5, "  ... *len = n - 1 (5)");
+    EXPECT(tl_session_logprobs_decode(s, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 5, &len), TL_OK, "tl_session_logprobs_decode");
     tl_session_free(s);
 }
 
@@ -417,7 +435,8 @@ static void test_open_and_lengths(void) {
     EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "prompt + max_tokens == max_seq_len");
     tl_model_free(m);
 
-    /* prefill_chunk: score calls refuse sequences longer than the chunk, generate accepts them. */
+    /* prefill_chunk: score calls refuse sequences longer than the chunk; generate and the
+       decode-path logprobs accept them. */
     tl_model_default_params(&mp);
     mp.log = false;
     mp.device = "cpu";
@@ -429,6 +448,8 @@ static void test_open_and_lengths(void) {
     EXPECT(tl_score_last(m, long_prompt, 5, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last n > prefill_chunk");
     gp = gen_params(4);
     EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "tl_generate n > prefill_chunk (chunked prefill)");
+    EXPECT(tl_logprobs_decode(m, long_prompt, 10, TL_LOOPS_DEFAULT, logits, 256, &len), TL_OK, "tl_logprobs_decode n > prefill_chunk (one row per step)");
+    CHECK(len == 9, "  ... *len = n - 1 (9)");
     tl_model_free(m);
 }
 
@@ -459,6 +480,7 @@ static void test_use_after_close(void) {
     EXPECT(tl_score_last(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_score_last after close");
     EXPECT(tl_score(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_score after close");
     EXPECT(tl_logprobs(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_logprobs after close");
+    EXPECT(tl_logprobs_decode(m, PROMPT, N_PROMPT, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_CLOSED, "tl_logprobs_decode after close");
     EXPECT(tl_model_config(m, &cfg), TL_ERR_CLOSED, "tl_model_config after close");
     EXPECT(tl_vram_usage_mb(m, &mb), TL_ERR_CLOSED, "tl_vram_usage_mb after close");
     CHECK(strstr(tl_last_error_message(), "tl_vram_usage_mb") != NULL, "  ... message names tl_vram_usage_mb");

@@ -46,3 +46,38 @@ def test_rust_cpu_logits_match_numpy_reference(name, loops, tmp_path_factory):
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     print(f"{name} loops={loops}: relative error {rel:.2e}")
     assert rel < TOLERANCE
+
+
+@pytest.mark.parametrize("loops", [1, 4])
+def test_decode_path_logprobs_match_numpy_reference(loops, tmp_path_factory):
+    # Each token fed as its own decode step (as generation runs) against the reference's
+    # log-softmax. A log-probability l[t] - logsumexp(l) moves by at most twice the largest change
+    # of its row's logits, and the logits agree to TOLERANCE relative to the row's largest
+    # magnitude (the argument above, per element); a wrong position, row or cache entry in the
+    # decode path moves log-probabilities by O(1) nats.
+    path = model_path("tiny-gqa", tmp_path_factory)
+    tokens = list(b"ROMEO:\nWhat light through yonder")
+    with tinyloop_py.Model(str(path), device="cpu", max_seq_len=64) as model:
+        got = model.logprobs(tokens, loops=loops, decode_path=True).astype(np.float64)
+    rows = np.asarray(reference.logits(str(path), tokens, loops), dtype=np.float64)[:-1]
+    top = rows.max(axis=1, keepdims=True)
+    want = rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
+    want = want[np.arange(len(tokens) - 1), tokens[1:]]
+    bound = 2 * TOLERANCE * np.abs(rows).max(axis=1)
+    err = np.abs(got - want)
+    print(f"tiny-gqa loops={loops}: decode-path logprob error {err.max():.2e} (worst ratio to "
+          f"bound {(err / bound).max():.2e})")
+    assert (err <= bound).all()
+
+
+def test_logit_lens_matches_numpy_reference(tmp_path_factory):
+    # tiny-gqa has a post block: each lens row runs it on a copy of the stream after that
+    # iteration. The rows are logits, held to the logits' TOLERANCE.
+    path = model_path("tiny-gqa", tmp_path_factory)
+    tokens = list(b"ROMEO:\nWhat light")
+    with tinyloop_py.Model(str(path), device="cpu", max_seq_len=64) as model:
+        got = model.score_logit_lens(tokens, loops=4).astype(np.float64)
+    want = np.asarray(reference.logit_lens(str(path), tokens, 4), dtype=np.float64)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"tiny-gqa logit lens (4 loops): relative error {rel:.2e}")
+    assert rel < TOLERANCE

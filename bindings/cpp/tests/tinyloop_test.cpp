@@ -7,6 +7,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -128,6 +129,25 @@ TEST(Model, ScoreCalls) {
     ASSERT_EQ(lp.size(), kPrompt.size() - 1);
     for (float v : lp) EXPECT_LE(v, 0.0f);
     EXPECT_NE(m.score_last(kPrompt, 1), last);
+}
+
+// On the CPU a row is computed alike in a one-row decode step and in a one-step score
+// (docs/NUMERICS.md "Scoring through the decode path"): the two agree bit for bit.
+TEST(Model, LogprobsDecodeEqualsLogprobsOnCpu) {
+    auto m = open_model();
+    std::vector<int32_t> tokens = kPrompt;
+    tokens.insert(tokens.end(), kPrompt.begin(), kPrompt.end());
+    auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+    };
+    for (int32_t loops : {1, 4}) {
+        auto got = m.logprobs_decode(tokens, loops);
+        ASSERT_EQ(got.size(), tokens.size() - 1);
+        EXPECT_TRUE(same_bits(got, m.logprobs(tokens, loops))) << "loops " << loops;
+    }
+    auto s = m.new_session();
+    EXPECT_TRUE(same_bits(s.logprobs_decode(tokens), m.logprobs(tokens)));
+    EXPECT_EQ(status_of([&] { s.logprobs_decode({kPrompt[0]}); }), TL_ERR_INVALID_ARGUMENT);
 }
 
 TEST(Model, InvalidArgumentsThrowWithStatus) {

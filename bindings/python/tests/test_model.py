@@ -216,6 +216,22 @@ def test_score_last_and_score(model):
     np.testing.assert_allclose(lp, ref[np.arange(len(PROMPT) - 1), PROMPT[1:]], atol=1e-4)
 
 
+def test_logprobs_through_the_decode_path(model):
+    # On the CPU a row is computed alike in a one-row decode step and in a one-step score
+    # (docs/NUMERICS.md "Scoring through the decode path"), so the two agree bit for bit.
+    tokens = PROMPT * 3
+    for loops in (1, 4):
+        decoded = model.logprobs(tokens, loops=loops, decode_path=True)
+        assert decoded.shape == (len(tokens) - 1,)
+        np.testing.assert_array_equal(decoded, model.logprobs(tokens, loops=loops))
+    with model.new_session() as session:
+        np.testing.assert_array_equal(
+            session.logprobs(tokens, decode_path=True), model.logprobs(tokens)
+        )
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        model.logprobs(PROMPT[:1], decode_path=True)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

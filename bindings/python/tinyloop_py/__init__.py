@@ -579,14 +579,19 @@ class _Runner:
         return out[: arr.size]
 
     @_loops_also_as("n_loops")
-    def logprobs(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
-        """``log p(tokens[i+1] | tokens[:i+1])`` for every i < len(tokens) - 1 (np.float32)."""
+    def logprobs(
+        self, tokens: Tokens, loops: Optional[int] = None, decode_path: bool = False
+    ) -> np.ndarray:
+        """``log p(tokens[i+1] | tokens[:i+1])`` for every i < len(tokens) - 1 (np.float32).
+
+        ``decode_path=True`` feeds each token as its own one-row decode step, as generation
+        does (``tl_logprobs_decode``), instead of the tokens as one step."""
         arr = _tokens(tokens)
         out = np.empty(max(arr.size - 1, 1), dtype=np.float32)
         n = ctypes.c_size_t(0)
         self._run(
-            "logprobs", "logprobs", _ptr(arr), arr.size, _loops(loops),
-            _ptr(out, _F32P), out.size, ctypes.byref(n),
+            "logprobs", "logprobs_decode" if decode_path else "logprobs", _ptr(arr), arr.size,
+            _loops(loops), _ptr(out, _F32P), out.size, ctypes.byref(n),
         )
         return out[: n.value]
 
@@ -786,6 +791,7 @@ class Model(_Runner):
         "score_last": "tl_score_last",
         "score": "tl_score",
         "logprobs": "tl_logprobs",
+        "logprobs_decode": "tl_logprobs_decode",
         "cancel": "tl_cancel",
     }
 
@@ -909,6 +915,7 @@ class Session(_Runner):
         "score_last": "tl_session_score_last",
         "score": "tl_session_score",
         "logprobs": "tl_session_logprobs",
+        "logprobs_decode": "tl_session_logprobs_decode",
         "cancel": "tl_session_cancel",
     }
 

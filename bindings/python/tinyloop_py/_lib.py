@@ -206,6 +206,7 @@ _SIGNATURES = {
     "tl_score_last": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_logprobs_decode": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_new": (_status, [_p, ctypes.POINTER(_p)]),
     "tl_session_free": (None, [_p]),
     "tl_session_cancel": (_status, [_p]),
@@ -220,6 +221,9 @@ _SIGNATURES = {
     "tl_session_score_last": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_score": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "tl_session_logprobs": (_status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
+    "tl_session_logprobs_decode": (
+        _status, [_p, _i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]
+    ),
     "tl_speculative_default_params": (_status, [_specp]),
     "tl_ctx_tier_default_params": (_status, [ctypes.POINTER(CtxTierParams)]),
     "tl_prefix_cache_free": (None, [_p]),
