@@ -254,9 +254,9 @@ impl Session {
 
     /// `log p(tokens[i + 1] | tokens[..=i])`, `n − 1` values, computed in steps of at most the
     /// step buffers' rows (`prefill_chunk` when set), so `tokens` may be longer than one step.
-    /// With `ctx_tier`, the tier is observed before each step (CTX-TIER): positions of steps
-    /// that start the LONG tier and after run the INT2 loop body, attending to the KV the
-    /// earlier steps computed. Its statistics are in [`Session::last_ctx_tier_stats`].
+    /// With `ctx_tier`, the tier follows the positions (CTX-TIER): positions from the one whose
+    /// `seq_len` reaches LONG run the INT2 loop body, attending to the KV the earlier positions
+    /// computed at INT4. Its statistics are in [`Session::last_ctx_tier_stats`].
     pub fn logprobs_with(
         &mut self,
         tokens: &[u32],

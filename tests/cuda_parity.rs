@@ -1867,6 +1867,92 @@ fn cuda_looped_calls_match() {
     finish("cuda_looped_calls_match", failures);
 }
 
+/// Speculative greedy output against the GPU's plain greedy output in every KV mode, with and
+/// without a tier policy (LONG from inside the prompt, or from inside the generation): rounds are
+/// cut at every tier change (CTX-TIER and age), so the verify step computes the rows one-token
+/// steps compute, up to the multi-row kernels' summation order: tokens may part only at a near
+/// tie of twice the mode's GPU–CPU bound (`same_or_near_tie`). In age mode 9 + 240 tokens cross
+/// the `age:64:128` bounds.
+#[test]
+fn cuda_speculation_matches_plain_in_every_mode_and_tier() {
+    if !cuda_or_skip("cuda_speculation_matches_plain_in_every_mode_and_tier") {
+        return;
+    }
+    let mut failures = Vec::new();
+    let path = synth("tiny", 4, 64);
+    let loops = 6;
+    for mode in MODES {
+        let kv: KvMode = mode.parse().unwrap();
+        let gpu = open_in(&path, Device::Cuda(0), 256, kv);
+        let cpu = open_in(&path, Device::Cpu, 256, kv);
+        let config = gpu.config().clone();
+        let bound = 2.0 * mode_tol(kv, config.applications(loops), config.head_dim());
+        let tokens = prompt(9, config.vocab_size, 7);
+        let (mut gs, mut cs) = (gpu.new_session().unwrap(), cpu.new_session().unwrap());
+        let max_tokens = if mode.starts_with("age") { 240 } else { 48 };
+        for policy in [None, Some(tier(4, 6)), Some(tier(4, 37))] {
+            let params = GenerateParams {
+                max_tokens,
+                loops: Some(loops),
+                ctx_tier: policy.clone(),
+                ..GenerateParams::default()
+            };
+            let plain = gs.generate(&tokens, &params).unwrap();
+            for (draft_loops, draft_len, reuse) in [(2, 7, true), (5, 15, false), (1, 3, true)] {
+                let spec = tinyloop::Speculation {
+                    draft_loops,
+                    draft_len,
+                    reuse,
+                };
+                let out = gs
+                    .generate_speculative(&tokens, &params, &spec, &mut |_| true)
+                    .unwrap();
+                let long_t = policy.as_ref().map(|p| p.long_t);
+                let what = format!("{mode} long_t {long_t:?} speculative {spec:?}");
+                let verdict = match plain.iter().zip(&out).position(|(a, b)| a != b) {
+                    None if plain.len() == out.len() => "identical".to_string(),
+                    None => {
+                        failures.push(format!("{what}: {} vs {} tokens", plain.len(), out.len()));
+                        continue;
+                    }
+                    Some(i) => {
+                        // The margin between the two tokens under the CPU reference with the
+                        // same policy (a difference of logprobs is one of logits), against the
+                        // bound relative to the logits' norm.
+                        let mut seq = tokens.clone();
+                        seq.extend(&plain[..i]);
+                        let norm = l2(&cs.score_last(&seq, Some(loops)).unwrap());
+                        let last_logprob = |t: u32, cs: &mut tinyloop::Session| {
+                            let mut with = seq.clone();
+                            with.push(t);
+                            let lp = cs.logprobs_with(&with, Some(loops), policy.as_ref());
+                            *lp.unwrap().last().unwrap() as f64
+                        };
+                        let margin =
+                            (last_logprob(plain[i], &mut cs) - last_logprob(out[i], &mut cs)).abs();
+                        if margin > 2.0 * bound * norm {
+                            failures.push(format!(
+                                "{what}: tokens differ at {i} with margin {margin:.3e} > {:.3e}",
+                                2.0 * bound * norm
+                            ));
+                        }
+                        format!("differ at {i} after a near tie (margin {margin:.2e})")
+                    }
+                };
+                report(&format!("speculation {what}: {verdict}"));
+            }
+        }
+    }
+    finish(
+        "cuda_speculation_matches_plain_in_every_mode_and_tier",
+        failures,
+    );
+}
+
+fn l2(v: &[f32]) -> f64 {
+    v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt()
+}
+
 // CTX-TIER on the GPU: the re-pack kernel against the host routine, and the tier switch inside
 // whole models (tests/ctx_tier.rs has the same checks on the CPU).
 
@@ -1938,9 +2024,11 @@ fn cuda_weight_bytes(rows: usize, cols: usize, bits: usize, group: usize) -> usi
     (codes + 4 * rows * (cols / group)).div_ceil(256) * 256
 }
 
-/// A prompt of at least long_t tokens runs entirely at INT2: the same tokens as a model whose
-/// loop body was re-quantized on the host (same kernels, same weights: exact). A transition in
-/// the middle keeps the tokens chosen before it. Memory follows the bodies the sessions hold.
+/// A prompt across long_t switches at its position (two prefill steps); a call that stays LONG
+/// from its first position (short_t = 1 after a LONG call) runs entirely at INT2: the same tokens
+/// as a model whose loop body was re-quantized on the host (same kernels, same weights: exact). A
+/// transition in the middle keeps the tokens chosen before it. Memory follows the bodies the
+/// sessions hold.
 #[test]
 fn cuda_ctx_tier_matches_an_int2_body_model() {
     if !cuda_or_skip("cuda_ctx_tier_matches_an_int2_body_model") {
@@ -1953,11 +2041,16 @@ fn cuda_ctx_tier_matches_an_int2_body_model() {
         let vocab = model.config().vocab_size;
         let long_prompt = prompt(10, vocab, 5);
         let mut session = model.new_session().unwrap();
-        let got = session
+        session
             .generate(&long_prompt, &tier_greedy(16, Some(tier(4, 8))))
             .unwrap();
         let stats = session.last_generate_stats().ctx_tier.unwrap();
-        assert_eq!((stats.short_steps, stats.transitions), (0, 1), "{name}");
+        assert_eq!((stats.short_steps, stats.transitions), (1, 1), "{name}");
+        let got = session
+            .generate(&long_prompt, &tier_greedy(16, Some(tier(1, 8))))
+            .unwrap();
+        let stats = session.last_generate_stats().ctx_tier.unwrap();
+        assert_eq!((stats.short_steps, stats.transitions), (0, 0), "{name}");
         let expected = int2
             .new_session()
             .unwrap()
@@ -1965,7 +2058,7 @@ fn cuda_ctx_tier_matches_an_int2_body_model() {
             .unwrap();
         assert_eq!(
             got, expected,
-            "{name}: INT2 at long_t vs the INT2-body model"
+            "{name}: all positions at INT2 vs the INT2-body model"
         );
 
         // A transition at observation 4 (seq_len 8) of a 5-token prompt.
