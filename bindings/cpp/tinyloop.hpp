@@ -380,8 +380,9 @@ public:
         return score_call(Self::c_logprobs, tokens, loops);
     }
 
-    /// Stop the generation running (in another thread) at its next token; it then throws
-    /// Error with TL_ERR_CANCELLED. Callable from any thread.
+    /// Stop the call running (in another thread): a generation at its next token, a score call
+    /// at its next block application; it then throws Error with TL_ERR_CANCELLED. Callable
+    /// from any thread.
     void cancel() const { check(Self::c_cancel(handle())); }
 
     /// The logit lens: logits [loops * vocab] (row-major) at the last position, read out after

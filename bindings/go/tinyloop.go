@@ -720,7 +720,9 @@ func (m *Model) Logprobs(tokens []int32, loops int) ([]float32, error) {
 	return m.doScore("Logprobs", scoreLogprobs, vocab, tokens, loops)
 }
 
-// Cancel stops the generation running on the default session at its next token.
+// Cancel stops the call running on the default session: a generation at its next token, a
+// score call at its next block application. The call then returns an error matching
+// ErrCancelled.
 func (m *Model) Cancel() error { return m.doCancel() }
 
 // Session is one sequence's buffers and KV cache over a Model's shared weights. Use it from
@@ -803,5 +805,5 @@ func (s *Session) Logprobs(tokens []int32, loops int) ([]float32, error) {
 	return s.doScore("Logprobs", scoreLogprobs, s.vsize, tokens, loops)
 }
 
-// Cancel stops the generation running on this session at its next token.
+// Cancel stops the call running on this session, as Model.Cancel does.
 func (s *Session) Cancel() error { return s.doCancel() }

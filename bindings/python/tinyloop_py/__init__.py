@@ -425,8 +425,9 @@ class _Runner:
             pass
 
     def cancel(self) -> None:
-        """Stop the generation running in another thread at its next token; it then raises
-        :class:`CancelledError`. Does nothing when no call is running."""
+        """Stop the call running in another thread: a generation at its next token, a score
+        call at its next block application; it then raises :class:`CancelledError`. Does
+        nothing when no call is running."""
         self._run("cancel", "cancel")
 
     @_loops_also_as("n_loops")
