@@ -411,6 +411,19 @@ public:
         return out;
     }
 
+    /// generate_speculative with reuse off, under the reference pages' name: the verify pass
+    /// recomputes every block application instead of continuing from the draft's KV and hidden
+    /// state. The same tokens, slower; the baseline that draft reuse is measured against.
+    std::vector<int32_t> generate_speculative_no_cache(
+        Tokens prompt, const GenerateOptions& opts, uint32_t draft_loops,
+        uint32_t draft_len = SpeculativeOptions().draft_len) const {
+        SpeculativeOptions spec;
+        spec.draft_loops = draft_loops;
+        spec.draft_len = draft_len;
+        spec.reuse = false;
+        return generate_speculative(prompt, opts, spec);
+    }
+
     /// Run `tokens` at `loops` and keep their KV entries for generate with
     /// GenerateOptions::prefix_cache (at the same loops), on any session of this model.
     PrefixCache build_prefix_cache(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
