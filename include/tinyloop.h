@@ -373,7 +373,8 @@ enum tl_status tl_model_open(const char *path, const struct tl_model_params *par
 // resume handles built on the model, whose handles are retired (every later use is
 // `TL_ERR_CLOSED`, their free functions no-ops). From the moment it starts,
 // every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
-// the default session in another thread is cancelled and awaited (a score call is awaited).
+// the default session in another thread is cancelled and awaited (as by `tl_cancel`: it
+// returns `TL_ERR_CANCELLED`).
 // Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
 // working. Afterwards every call on the handle fails with `TL_ERR_CLOSED`, except `tl_close` /
 // `tl_model_free` (no-ops) and `tl_cancel` (TL_OK): handle values are never reused. NULL is
@@ -392,9 +393,11 @@ enum tl_status tl_close(struct tl_model *model);
 // Ownership: as `tl_close`. Threads: as `tl_close`.
 void tl_model_free(struct tl_model *model);
 
-// Request cancellation of the call running on the model's default session; it stops at the
-// next token and returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score
-// calls are not interruptible. TL_OK when nothing is running or the model is closed.
+// Request cancellation of the call running on the model's default session: a generation
+// stops at the next token, any other call (score, logit lens, building a prefix cache or
+// resume handle) at the next block application, and it returns `TL_ERR_CANCELLED` without
+// writing its outputs. Calls that start later are not affected. TL_OK when nothing is running
+// or the model is closed.
 //
 // Ownership: none. Threads: any thread, any time (typically another thread than the one
 // generating, or the stream callback itself).
@@ -465,9 +468,9 @@ enum tl_status tl_session_new(const struct tl_model *model, struct tl_session **
 // thread is in a call on this session.
 void tl_session_free(struct tl_session *session);
 
-// Request cancellation of the call running on `session`; it stops at the next token and
-// returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score calls are not
-// interruptible. TL_OK when nothing is running or the session was freed.
+// Request cancellation of the call running on `session`; it stops as described at
+// `tl_cancel` and returns `TL_ERR_CANCELLED`. Calls that start later are not affected. TL_OK
+// when nothing is running or the session was freed.
 //
 // Ownership: none. Threads: any thread, any time (including the session's own stream
 // callback).
@@ -528,7 +531,9 @@ enum tl_status tl_session_generate_stream(const struct tl_session *session, cons
 // Logits `[vocab_size]` at the last position of `tokens[0..n_tokens]`, run at `loops`
 // iterations (TL_LOOPS_DEFAULT = model default), into `out[0..*len]`. `cap` must be >=
 // vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with `*len = vocab_size`. With prefill_chunk > 0,
-// n_tokens must be <= prefill_chunk.
+// n_tokens must be <= prefill_chunk. Like every score call, it is stopped by `tl_cancel` or
+// `tl_close` from another thread at the next block application (`TL_ERR_CANCELLED`, `out` and
+// `*len` unwritten).
 //
 // Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 //
@@ -656,7 +661,8 @@ enum tl_status tl_prefix_cache_memory_mb(const struct tl_prefix_cache *cache, do
 // the chunk. On success `*out_handle` receives the handle; its bytes count in
 // `tl_vram_usage_mb` until it is freed.
 //
-// Failures: as `tl_prefix_cache_new`.
+// Failures: as `tl_prefix_cache_new`; here the prompt must leave room in max_seq_len for at
+// least one generated token, and fit prefill_chunk when that is set.
 //
 // Ownership: the caller owns the new handle and frees it with `tl_resume_handle_free`;
 // `tl_close` of the model also releases it (the handle is then retired). Threads: any thread;

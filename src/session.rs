@@ -160,13 +160,7 @@ impl Session {
     ) -> Result<PrefixCache> {
         self.start_call(None)?;
         let loops = self.check_tokens(prefix, loops)?;
-        if prefix.len() >= self.shared.options.max_seq_len {
-            return Err(Error::invalid(format!(
-                "a prefix of {} tokens leaves no room for a prompt in max_seq_len {}",
-                prefix.len(),
-                self.shared.options.max_seq_len
-            )));
-        }
+        self.check_room(prefix.len(), "a prefix", "a prompt")?;
         let cancel = self.cancel.clone();
         let inner: PrefixInner = with_backend!(self, |b, w, buf| handles::PrefixCache::build(
             b, w, buf, prefix, loops, &cancel
@@ -182,7 +176,8 @@ impl Session {
 
     /// Build a resume handle: run `prompt` at `loops` (default: the model's) and keep what
     /// [`Session::resume_generate`] needs to generate after it at any loop count. The prompt runs
-    /// as one step, so it must fit the step buffers (`prefill_chunk`, when set).
+    /// as one step, so it must fit the step buffers (`prefill_chunk`, when set), and it must leave
+    /// room in `max_seq_len` for at least one generated token.
     pub fn build_resume_handle(
         &mut self,
         prompt: &[u32],
@@ -190,6 +185,7 @@ impl Session {
     ) -> Result<ResumeHandle> {
         self.start_call(None)?;
         let loops = self.check_score(prompt, loops)?;
+        self.check_room(prompt.len(), "a prompt", "a generated token")?;
         let cancel = self.cancel.clone();
         let inner: ResumeInner = with_backend!(self, |b, w, buf| handles::ResumeHandle::build(
             b, w, buf, prompt, loops, &cancel
@@ -500,6 +496,18 @@ impl Session {
             self.check_token(t, &format!("token {i}:"))?;
         }
         self.resolve_loops(loops)
+    }
+
+    /// Refuse `what` (a prefix, a prompt) of `len` tokens when it fills max_seq_len: a handle
+    /// kept for later generation needs a position left for `next`.
+    fn check_room(&self, len: usize, what: &str, next: &str) -> Result<()> {
+        let max_seq = self.shared.options.max_seq_len;
+        if len >= max_seq {
+            return Err(Error::invalid(format!(
+                "{what} of {len} tokens leaves no room for {next} in max_seq_len {max_seq}"
+            )));
+        }
+        Ok(())
     }
 
     /// The loop count of a call: `loops`, or the model's default; in 1..=max_loops.

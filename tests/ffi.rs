@@ -444,6 +444,33 @@ fn values_that_are_not_handles_of_the_kind_are_invalid_arguments() {
     assert_eq!(tl_cancel(forged.0), tl_status::TL_ERR_INVALID_ARGUMENT);
     std::mem::forget(forged);
     assert_eq!(local, 0, "the library did not write through the value");
+    // Handle values are scattered by a random key of the process: the handles made one after
+    // the other are far apart (a chance failure: about 2^-40), and a value next to a live
+    // handle is no handle at all, so a guess or an off-by-one never reaches another object.
+    let next = new_session(&model);
+    let gap = session.0.addr().abs_diff(next.0.addr());
+    assert!(
+        gap > 1 << 20,
+        "consecutive sessions {:?}, {:?}",
+        session.0,
+        next.0
+    );
+    let value = model.0.addr();
+    for near in [
+        value + 1,
+        value - 1,
+        value ^ 1,
+        value ^ (1 << (usize::BITS - 20)),
+    ] {
+        let forged = Handle(ptr::without_provenance_mut(near));
+        let (status, _) = generate(&forged, &PROMPT, &gen_params(2));
+        assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT, "{near:#x}");
+        assert!(last_error().contains("not a handle"), "{}", last_error());
+        assert_eq!(tl_close(forged.0), tl_status::TL_ERR_INVALID_ARGUMENT);
+        std::mem::forget(forged);
+    }
+    let (status, _) = generate(&model, &PROMPT, &gen_params(2));
+    assert_eq!(status, tl_status::TL_OK, "the model is untouched");
 }
 
 /// Calls `tl_generate` on `model` until it returns `TL_ERR_CLOSED` and returns the other
@@ -554,6 +581,156 @@ fn eight_threads_retrying_calls_do_not_hold_off_close() {
             )),
             "{before:?}"
         );
+    }
+}
+
+/// Every worker of rayon's global pool, held until dropped. The CPU backend runs each product
+/// on that pool, so a call that reaches a block application meanwhile waits inside it, holding
+/// its session: how a test keeps a score call, which has no callback, in flight.
+struct PoolHold {
+    release: Arc<Barrier>,
+}
+
+impl PoolHold {
+    fn new() -> PoolHold {
+        let workers = rayon::current_num_threads();
+        let entered = Arc::new(Barrier::new(workers + 1));
+        let release = Arc::new(Barrier::new(workers + 1));
+        for _ in 0..workers {
+            let (entered, release) = (entered.clone(), release.clone());
+            // A blocked task keeps its worker, so the barrier opens once every worker has one.
+            rayon::spawn(move || {
+                entered.wait();
+                release.wait();
+            });
+        }
+        entered.wait();
+        PoolHold { release }
+    }
+}
+
+impl Drop for PoolHold {
+    fn drop(&mut self) {
+        self.release.wait();
+    }
+}
+
+/// `tl_score_last` on the model's default session: its status and what it left in `*len` and
+/// `out` (filled with -1 and `usize::MAX` first). Retried while another call holds the session.
+fn score_last_until_it_runs(model: &Handle) -> (tl_status, usize, Vec<f32>) {
+    loop {
+        let mut out = vec![-1.0f32; 256];
+        let mut len = usize::MAX;
+        // SAFETY: all pointers valid for the stated lengths.
+        let status = unsafe {
+            tl_score_last(
+                model.0,
+                PROMPT.as_ptr(),
+                PROMPT.len(),
+                TL_LOOPS_DEFAULT,
+                out.as_mut_ptr(),
+                out.len(),
+                &mut len,
+            )
+        };
+        if status != tl_status::TL_ERR_BUSY {
+            return (status, len, out);
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Returns once a call is running on the model's default session: a probe that would fail on
+/// its arguments (loops 0) answers `TL_ERR_BUSY` instead.
+fn wait_until_busy(model: &Handle) {
+    let start = std::time::Instant::now();
+    loop {
+        let mut len = 0usize;
+        let mut out = [0f32; 256];
+        // SAFETY: all pointers valid for the stated lengths.
+        let status = unsafe {
+            tl_score_last(
+                model.0,
+                PROMPT.as_ptr(),
+                PROMPT.len(),
+                0,
+                out.as_mut_ptr(),
+                out.len(),
+                &mut len,
+            )
+        };
+        match status {
+            tl_status::TL_ERR_BUSY => return,
+            tl_status::TL_ERR_INVALID_ARGUMENT => {}
+            other => panic!("probe: {other:?} ({})", last_error()),
+        }
+        assert!(
+            start.elapsed() < LIVENESS_LIMIT,
+            "the score call never started"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Opens a model, runs `tl_score_last` on its default session in another thread, and while that
+/// call is held inside its forward pass, stops it with `tl_cancel` or `tl_close`. Returns what
+/// the call returned.
+fn score_stopped_in_flight(close: bool) -> (tl_status, usize, Vec<f32>) {
+    let model = Arc::new(open(&model_file("tiny"), 64));
+    let hold = PoolHold::new();
+    let scorer = {
+        let model = model.clone();
+        std::thread::spawn(move || score_last_until_it_runs(&model))
+    };
+    wait_until_busy(&model);
+    let closer = close.then(|| {
+        let closing = model.clone();
+        let closer = std::thread::spawn(move || tl_close(closing.0));
+        let before = generate_until_closed(&model);
+        assert!(
+            before.iter().all(|&s| s == tl_status::TL_ERR_BUSY),
+            "{before:?}"
+        );
+        assert!(!closer.is_finished(), "close waits for the running call");
+        closer
+    });
+    if !close {
+        assert_eq!(tl_cancel(model.0), tl_status::TL_OK);
+    }
+    drop(hold);
+    let result = scorer.join().unwrap();
+    if let Some(closer) = closer {
+        assert_eq!(closer.join().unwrap(), tl_status::TL_OK);
+    }
+    result
+}
+
+/// Score calls are cancelled like generation: `tl_cancel`, and `tl_close` (which then waits
+/// for the call), stop a score call in flight at its next block application with
+/// `TL_ERR_CANCELLED`, writing nothing.
+///
+/// The test sees the call holding its session, which it takes just before it starts; a cancel
+/// in between is for no call (a call clears the request as it starts, see `tl_cancel`), and
+/// that call runs to its end. Such an attempt must return the logits, and the next is tried.
+/// More than half the attempts land inside the call (measured with the whole suite running on
+/// 2 cores: 29 to 40 of 40 for `tl_cancel`, every one for `tl_close`, which repeats its
+/// cancel while it waits), so 50 attempts all missing would be a failure, not chance (< 2^-50).
+#[test]
+fn score_calls_are_cancelled_by_tl_cancel_and_tl_close() {
+    for close in [false, true] {
+        let cancelled = (0..50).any(|_| match score_stopped_in_flight(close) {
+            (tl_status::TL_ERR_CANCELLED, len, out) => {
+                assert_eq!(len, usize::MAX, "*len unwritten");
+                assert!(out.iter().all(|&v| v == -1.0), "out unwritten");
+                true
+            }
+            (tl_status::TL_OK, len, _) => {
+                assert_eq!(len, 256, "a call that ran to its end");
+                false
+            }
+            (other, _, _) => panic!("close: {close}: {other:?} ({})", last_error()),
+        });
+        assert!(cancelled, "close: {close}: no attempt was cancelled");
     }
 }
 

@@ -82,12 +82,6 @@ fn chunked_prefill_matches_single_shot_in_every_mode() {
         let layout = KvLayout::new(&config, mode.parse().unwrap(), 256).unwrap();
         prefill_and_decode(&CpuBackend, &weights, layout, chunk, &prompt, loops, 6)
     };
-    let worst = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| rel_l2(x, y))
-            .fold(0f64, f64::max)
-    };
     for mode in MODES {
         let (single, single_tokens) = run(mode, 0);
         for chunk in [1, 7, 48] {

@@ -379,3 +379,41 @@ fn greedy_speculation_equals_plain_in_every_kv_mode_and_tier() {
         }
     }
 }
+
+/// A prefix cache must leave room for a prompt, and a resume handle for a generated token: a
+/// handle that fills max_seq_len is refused when it is built, not by every later use.
+#[test]
+fn handles_leave_room_in_max_seq_len() {
+    let options = ModelOptions {
+        max_seq_len: 16,
+        ..common::cpu_options()
+    };
+    let model = Model::open(synth_file("tiny", 1, 4), &options).unwrap();
+    let mut s = model.new_session().unwrap();
+    let full = tokens(16, 256, 3);
+    match s.build_resume_handle(&full, Some(2)) {
+        Err(Error::InvalidArgument(msg)) => assert_eq!(
+            msg,
+            "a prompt of 16 tokens leaves no room for a generated token in max_seq_len 16"
+        ),
+        other => panic!(
+            "expected InvalidArgument, got {:?}",
+            other.map(|h| h.loops())
+        ),
+    }
+    match s.build_prefix_cache(&full, Some(2)) {
+        Err(Error::InvalidArgument(msg)) => assert_eq!(
+            msg,
+            "a prefix of 16 tokens leaves no room for a prompt in max_seq_len 16"
+        ),
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|c| c.len())),
+    }
+    // One position left: the handle generates exactly one token, that of a fresh generation.
+    let prompt = &full[..15];
+    let handle = s.build_resume_handle(prompt, Some(2)).unwrap();
+    let fresh = s.generate(prompt, &greedy(1, 3)).unwrap();
+    let resumed = s
+        .resume_generate(&handle, &greedy(1, 3), &mut |_| true)
+        .unwrap();
+    assert_eq!((resumed.len(), &resumed), (1, &fresh));
+}

@@ -386,8 +386,9 @@ public:
         return score_call(Self::c_logprobs_decode, tokens, loops);
     }
 
-    /// Stop the generation running (in another thread) at its next token; it then throws
-    /// Error with TL_ERR_CANCELLED. Callable from any thread.
+    /// Stop the call running (in another thread): a generation at its next token, a score call
+    /// at its next block application; it then throws Error with TL_ERR_CANCELLED. Callable
+    /// from any thread.
     void cancel() const { check(Self::c_cancel(handle())); }
 
     /// The logit lens: logits [loops * vocab] (row-major) at the last position, read out after
@@ -414,6 +415,19 @@ public:
                                            out.data(), out.size(), &n));
         out.resize(n);
         return out;
+    }
+
+    /// generate_speculative with reuse off, under the reference pages' name: the verify pass
+    /// recomputes every block application instead of continuing from the draft's KV and hidden
+    /// state. The same tokens, slower; the baseline that draft reuse is measured against.
+    std::vector<int32_t> generate_speculative_no_cache(
+        Tokens prompt, const GenerateOptions& opts, uint32_t draft_loops,
+        uint32_t draft_len = SpeculativeOptions().draft_len) const {
+        SpeculativeOptions spec;
+        spec.draft_loops = draft_loops;
+        spec.draft_len = draft_len;
+        spec.reuse = false;
+        return generate_speculative(prompt, opts, spec);
     }
 
     /// Run `tokens` at `loops` and keep their KV entries for generate with

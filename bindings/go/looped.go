@@ -335,7 +335,20 @@ func (r *runner) required(method string, query func(*C.size_t) C.enum_tl_status)
 // spec.DraftLen tokens at a time at spec.DraftLoops. Greedy output equals Generate's; sampled
 // output has its distribution. Acceptance counts: LastGenerateStats. Cancellation as Generate.
 func (r *runner) GenerateSpeculative(ctx context.Context, tokens []int32, opts *GenerateOptions, spec SpeculativeOptions) ([]int32, error) {
-	const method = "GenerateSpeculative"
+	return r.speculative(ctx, "GenerateSpeculative", tokens, opts, spec)
+}
+
+// GenerateSpeculativeNoCache is GenerateSpeculative with Reuse false, under the reference
+// pages' name (generate_speculative_no_cache): the verify pass recomputes every block
+// application instead of continuing from the draft's KV and hidden state. The same tokens,
+// slower; the baseline that draft reuse is measured against.
+func (r *runner) GenerateSpeculativeNoCache(ctx context.Context, tokens []int32, opts *GenerateOptions, draftLoops, draftLen int) ([]int32, error) {
+	spec := SpeculativeOptions{DraftLoops: draftLoops, DraftLen: draftLen, Reuse: false}
+	return r.speculative(ctx, "GenerateSpeculativeNoCache", tokens, opts, spec)
+}
+
+// speculative runs tl_generate_speculative for method.
+func (r *runner) speculative(ctx context.Context, method string, tokens []int32, opts *GenerateOptions, spec SpeculativeOptions) ([]int32, error) {
 	if spec.DraftLoops < 0 || spec.DraftLoops > 1<<32-1 || spec.DraftLen < 0 || spec.DraftLen > 1<<32-1 {
 		return nil, invalid("%s: DraftLoops %d or DraftLen %d out of range", method, spec.DraftLoops, spec.DraftLen)
 	}

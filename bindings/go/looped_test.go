@@ -122,6 +122,21 @@ func TestGreedySpeculationEqualsPlainGeneration(t *testing.T) {
 			}
 		}
 	}
+	for _, r := range []*runner{&m.runner, &s.runner} {
+		withoutReuse, err := r.GenerateSpeculative(context.Background(), prompt, o, SpeculativeOptions{2, 4, false})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := r.GenerateSpeculativeNoCache(context.Background(), prompt, o, 2, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(out, withoutReuse) || !reflect.DeepEqual(out, plain) {
+			t.Fatalf("no cache on the %s: %v, without reuse %v, plain %v", r.h.what, out, withoutReuse, plain)
+		}
+	}
+	_, err = m.GenerateSpeculativeNoCache(context.Background(), prompt, o, 4, 4)
+	wantStatus(t, err, StatusInvalidArgument, "GenerateSpeculativeNoCache at draft loops = verify loops")
 	def := DefaultSpeculativeOptions()
 	if def.DraftLoops != 0 || def.DraftLen != 4 || !def.Reuse {
 		t.Fatalf("defaults %+v", def)

@@ -733,7 +733,9 @@ func (m *Model) LogprobsDecode(tokens []int32, loops int) ([]float32, error) {
 	return m.doScore("LogprobsDecode", scoreLogprobsDecode, vocab, tokens, loops)
 }
 
-// Cancel stops the generation running on the default session at its next token.
+// Cancel stops the call running on the default session: a generation at its next token, a
+// score call at its next block application. The call then returns an error matching
+// ErrCancelled.
 func (m *Model) Cancel() error { return m.doCancel() }
 
 // Session is one sequence's buffers and KV cache over a Model's shared weights. Use it from
@@ -823,5 +825,5 @@ func (s *Session) LogprobsDecode(tokens []int32, loops int) ([]float32, error) {
 	return s.doScore("LogprobsDecode", scoreLogprobsDecode, s.vsize, tokens, loops)
 }
 
-// Cancel stops the generation running on this session at its next token.
+// Cancel stops the call running on this session, as Model.Cancel does.
 func (s *Session) Cancel() error { return s.doCancel() }

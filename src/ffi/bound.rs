@@ -253,7 +253,8 @@ pub unsafe extern "C" fn tl_prefix_cache_memory_mb(
 /// the chunk. On success `*out_handle` receives the handle; its bytes count in
 /// `tl_vram_usage_mb` until it is freed.
 ///
-/// Failures: as `tl_prefix_cache_new`.
+/// Failures: as `tl_prefix_cache_new`; here the prompt must leave room in max_seq_len for at
+/// least one generated token, and fit prefill_chunk when that is set.
 ///
 /// Ownership: the caller owns the new handle and frees it with `tl_resume_handle_free`;
 /// `tl_close` of the model also releases it (the handle is then retired). Threads: any thread;

@@ -234,7 +234,9 @@ unsafe fn generate_stream(
 /// Logits `[vocab_size]` at the last position of `tokens[0..n_tokens]`, run at `loops`
 /// iterations (TL_LOOPS_DEFAULT = model default), into `out[0..*len]`. `cap` must be >=
 /// vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with `*len = vocab_size`. With prefill_chunk > 0,
-/// n_tokens must be <= prefill_chunk.
+/// n_tokens must be <= prefill_chunk. Like every score call, it is stopped by `tl_cancel` or
+/// `tl_close` from another thread at the next block application (`TL_ERR_CANCELLED`, `out` and
+/// `*len` unwritten).
 ///
 /// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
 ///

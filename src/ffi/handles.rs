@@ -1,12 +1,17 @@
-//! The handles given to C: serial numbers, resolved through a process-wide table of live
-//! objects, never addresses.
+//! The handles given to C: serial numbers under a random key, resolved through a process-wide
+//! table of live objects, never addresses.
 //!
-//! A handle value is `MARK | kind | id` (kinds: model, session, prefix cache, resume handle). Ids come from one counter and are never reused, so a
-//! handle that was closed stays closed for good: a later call is answered `TL_ERR_CLOSED`
-//! even when a new object of the same kind exists. The library never dereferences a handle
-//! value, so a stale, forged or mistyped handle is an error, never a memory access; and since
-//! `MARK` is the top bit, no handle is a valid user-space address on 64-bit targets (a caller
-//! that dereferences one faults at once, and no garbage collector takes one for a pointer).
+//! A handle value is `MARK | kind | id` (kinds: model, session, prefix cache, resume handle).
+//! Serial numbers come from one counter and are never reused, so a handle that was closed stays
+//! closed for good: a later call is answered `TL_ERR_CLOSED` even when a new object of the same
+//! kind exists. The id is the serial number through a keyed permutation whose key each kind
+//! draws at random once per process, so ids are not consecutive and cannot be guessed: a value
+//! near a real handle (± 1, a flipped bit, another kind's bits) decodes to a serial number that
+//! was never issued and is refused as not a handle, instead of reaching another object. The
+//! library never dereferences a handle value, so a stale, forged or mistyped handle is an error,
+//! never a memory access; and since `MARK` is the top bit, no handle is a valid user-space
+//! address on 64-bit targets (a caller that dereferences one faults at once, and no garbage
+//! collector takes one for a pointer).
 //!
 //! Every entry point goes through [`Table::get`] (or [`Table::lookup`] for the close / free /
 //! cancel functions, where a closed handle is not an error): the one place where a handle is
@@ -14,9 +19,10 @@
 //! a handle in one thread while another thread is inside a call on it is safe.
 
 use std::collections::BTreeMap;
+use std::hash::{BuildHasher, RandomState};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, OnceLock, RwLock, Weak};
 
 use super::{tl_status, Failure, FfiResult};
 use crate::error::Error;
@@ -28,8 +34,45 @@ const KIND_SHIFT: u32 = usize::BITS - 3;
 /// The id part of a handle value.
 const ID_MASK: usize = (1 << KIND_SHIFT) - 1;
 
-/// The next id to hand out (shared by all kinds; 0 is never used).
-static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+/// The next serial number to hand out (shared by all kinds; 0 is never used).
+static NEXT_SERIAL: AtomicUsize = AtomicUsize::new(1);
+
+/// Odd multipliers of [`mix`] (splitmix64's, truncated to the word), and their inverses.
+const M1: usize = 0x9E37_79B9_7F4A_7C15_u64 as usize;
+const M2: usize = 0xBF58_476D_1CE4_E5B9_u64 as usize;
+const M1_INV: usize = inverse(M1);
+const M2_INV: usize = inverse(M2);
+
+/// The inverse of an odd `m` modulo 2^usize::BITS, by Newton's iteration: `m · m ≡ 1 (mod 8)`,
+/// and each step doubles the number of correct low bits (3, 6, …, 96).
+const fn inverse(m: usize) -> usize {
+    let mut inv = m;
+    let mut step = 0;
+    while step < 5 {
+        inv = inv.wrapping_mul(2usize.wrapping_sub(m.wrapping_mul(inv)));
+        step += 1;
+    }
+    inv
+}
+
+/// `x ^ (x >> s)` on id-wide values, s half the width rounded up: its own inverse, since no bit
+/// is shifted twice. Folds the high bits (where a product spreads a change) into the low ones.
+const fn fold(x: usize) -> usize {
+    x ^ (x >> KIND_SHIFT.div_ceil(2))
+}
+
+/// A fixed permutation of id-wide values that scatters neighbouring inputs: multiply by an odd
+/// constant, fold, twice (all modulo 2^KIND_SHIFT).
+const fn mix(x: usize) -> usize {
+    let x = fold(x.wrapping_mul(M1) & ID_MASK);
+    fold(x.wrapping_mul(M2) & ID_MASK)
+}
+
+/// The inverse of [`mix`].
+const fn unmix(x: usize) -> usize {
+    let x = fold(x).wrapping_mul(M2_INV) & ID_MASK;
+    fold(x).wrapping_mul(M1_INV) & ID_MASK
+}
 
 /// The kinds of handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,14 +91,42 @@ impl Kind {
         Kind::ResumeHandle,
     ];
 
-    fn bits(self) -> usize {
-        let code = match self {
+    fn code(self) -> usize {
+        match self {
             Kind::Model => 0,
             Kind::Session => 1,
             Kind::PrefixCache => 2,
             Kind::ResumeHandle => 3,
-        };
-        MARK | code << KIND_SHIFT
+        }
+    }
+
+    fn bits(self) -> usize {
+        MARK | self.code() << KIND_SHIFT
+    }
+
+    /// This kind's key for the process: two random id-wide words, drawn at first use.
+    fn key(self) -> [usize; 2] {
+        static KEYS: OnceLock<[[usize; 2]; 4]> = OnceLock::new();
+        let keys = KEYS.get_or_init(|| {
+            // Seeded from the operating system's random source.
+            let random = RandomState::new();
+            Kind::ALL.map(|kind| [0u8, 1].map(|i| random.hash_one((kind.code(), i)) as usize))
+        });
+        keys[self.code()].map(|word| word & ID_MASK)
+    }
+
+    /// The handle value of serial number `serial`.
+    fn encode(self, serial: usize) -> usize {
+        let [before, after] = self.key();
+        self.bits() | (mix(serial ^ before) ^ after)
+    }
+
+    /// The serial number of a handle value of this kind. A value this kind never issued decodes
+    /// to a scattered number, one that was issued with a chance of (serial numbers issued) /
+    /// 2^61 on 64-bit targets.
+    fn decode(self, value: usize) -> usize {
+        let [before, after] = self.key();
+        unmix((value & ID_MASK) ^ after) ^ before
     }
 
     /// The argument name used in messages ("model is NULL").
@@ -131,17 +202,17 @@ impl<T, C> Table<T, C> {
     /// Register the object `make` builds from a weak reference to itself, and return its new
     /// handle.
     pub fn insert_cyclic(&self, make: impl FnOnce(&Weak<T>) -> T) -> FfiResult<*mut C> {
-        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        if id > ID_MASK {
-            // Only reachable where usize is 32 bits: 2^30 handles were issued.
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        if serial > ID_MASK {
+            // Only reachable where usize is 32 bits: 2^29 handles were issued.
             return Err(Failure::new(
                 tl_status::TL_ERR_OUT_OF_MEMORY,
                 "no handle ids left in this process",
             ));
         }
         let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
-        live.insert(id, Arc::new_cyclic(make));
-        Ok(std::ptr::without_provenance_mut(self.kind.bits() | id))
+        live.insert(serial, Arc::new_cyclic(make));
+        Ok(std::ptr::without_provenance_mut(self.kind.encode(serial)))
     }
 
     /// Classify a handle value. Takes the table's read lock only.
@@ -151,25 +222,25 @@ impl<T, C> Table<T, C> {
             return Lookup::Null;
         }
         let kind = self.kind;
-        let id = value & ID_MASK;
-        if value & !ID_MASK != kind.bits() || id == 0 || id >= NEXT_ID.load(Ordering::Relaxed) {
-            let other = Kind::ALL
-                .into_iter()
-                .find(|&k| k != kind && value & !ID_MASK == k.bits());
-            let what = match other {
-                Some(other) => format!("a {} handle", other.c_type()),
-                None => format!("not a handle ({value:#x})"),
-            };
-            return Lookup::Invalid(Failure::invalid(format!(
-                "{} is {what}, not a {}",
-                kind.arg(),
-                kind.c_type()
-            )));
-        }
-        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
-        match live.get(&id) {
-            Some(object) => Lookup::Live(Arc::clone(object)),
-            None => Lookup::Closed,
+        match issued(value) {
+            Some((found, serial)) if found == kind => {
+                let live = self.live.read().unwrap_or_else(|p| p.into_inner());
+                match live.get(&serial) {
+                    Some(object) => Lookup::Live(Arc::clone(object)),
+                    None => Lookup::Closed,
+                }
+            }
+            found => {
+                let what = match found {
+                    Some((other, _)) => format!("a {} handle", other.c_type()),
+                    None => format!("not a handle ({value:#x})"),
+                };
+                Lookup::Invalid(Failure::invalid(format!(
+                    "{} is {what}, not a {}",
+                    kind.arg(),
+                    kind.c_type()
+                )))
+            }
         }
     }
 
@@ -188,7 +259,7 @@ impl<T, C> Table<T, C> {
     /// call still holding it returns.
     pub fn remove(&self, handle: *const C) {
         let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
-        live.remove(&(handle.addr() & ID_MASK));
+        live.remove(&self.kind.decode(handle.addr()));
     }
 
     /// How many handles of this kind are live.
@@ -196,6 +267,16 @@ impl<T, C> Table<T, C> {
     pub fn len(&self) -> usize {
         self.live.read().unwrap_or_else(|p| p.into_inner()).len()
     }
+}
+
+/// The kind and serial number of a handle value that this process issued (closed or not);
+/// `None` for any other value.
+fn issued(value: usize) -> Option<(Kind, usize)> {
+    let kind = Kind::ALL
+        .into_iter()
+        .find(|kind| value & !ID_MASK == kind.bits())?;
+    let serial = kind.decode(value);
+    (serial != 0 && serial < NEXT_SERIAL.load(Ordering::Relaxed)).then_some((kind, serial))
 }
 
 #[cfg(test)]
@@ -245,6 +326,58 @@ mod tests {
         assert!(matches!(models.lookup(std::ptr::null()), Lookup::Null));
         let closed = models.get(std::ptr::null(), "tl_generate").unwrap_err();
         assert_eq!(closed.message, "model is NULL");
+    }
+
+    #[test]
+    fn the_id_permutation_is_invertible() {
+        assert_eq!(M1.wrapping_mul(M1_INV), 1);
+        assert_eq!(M2.wrapping_mul(M2_INV), 1);
+        for x in [0, 1, 2, 12345, ID_MASK / 3, ID_MASK - 1, ID_MASK] {
+            assert_eq!(unmix(mix(x)), x, "{x:#x}");
+            assert_eq!(mix(unmix(x)), x, "{x:#x}");
+            assert!(mix(x) <= ID_MASK);
+        }
+        for kind in Kind::ALL {
+            for serial in [1, 2, 3, ID_MASK] {
+                assert_eq!(kind.decode(kind.encode(serial)), serial);
+            }
+        }
+    }
+
+    /// Ids are scattered, and a value next to a handle (± 1, a flipped bit, the kind bits of
+    /// another kind) is not a handle, whether that handle is live or closed. Each check fails
+    /// by chance with a probability of about 2^-40 (two random 61-bit ids within 2^20 of each
+    /// other) or below (a scattered value hitting one of the few issued serial numbers).
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn ids_are_scattered_and_values_next_to_a_handle_are_refused() {
+        let models: Table<u32, Model> = Table::new(Kind::Model);
+        let handles: Vec<_> = (0..32).map(|i| models.insert(i).unwrap()).collect();
+        for pair in handles.windows(2) {
+            let gap = pair[0].addr().abs_diff(pair[1].addr());
+            assert!(gap > 1 << 20, "{:?} and {:?} are close", pair[0], pair[1]);
+        }
+        models.remove(handles[0]);
+        assert!(matches!(models.lookup(handles[0]), Lookup::Closed));
+        for &handle in &handles {
+            let value = handle.addr();
+            let other_kind = value ^ (1 << KIND_SHIFT);
+            for forged in [
+                value + 1,
+                value - 1,
+                value ^ 1,
+                value ^ (1 << 40),
+                other_kind,
+            ] {
+                let forged = std::ptr::without_provenance::<Model>(forged);
+                match models.lookup(forged) {
+                    Lookup::Invalid(f) => {
+                        assert!(f.message.contains("not a handle"), "{}", f.message)
+                    }
+                    _ => panic!("{forged:?}, next to the handle {handle:?}, was accepted"),
+                }
+            }
+        }
     }
 
     #[test]

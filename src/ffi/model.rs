@@ -142,7 +142,8 @@ pub unsafe extern "C" fn tl_model_open(
 /// resume handles built on the model, whose handles are retired (every later use is
 /// `TL_ERR_CLOSED`, their free functions no-ops). From the moment it starts,
 /// every new call on the handle fails with `TL_ERR_CLOSED` at once; a call already running on
-/// the default session in another thread is cancelled and awaited (a score call is awaited).
+/// the default session in another thread is cancelled and awaited (as by `tl_cancel`: it
+/// returns `TL_ERR_CANCELLED`).
 /// Sessions created with `tl_session_new` keep the weights alive until they are freed, and keep
 /// working. Afterwards every call on the handle fails with `TL_ERR_CLOSED`, except `tl_close` /
 /// `tl_model_free` (no-ops) and `tl_cancel` (TL_OK): handle values are never reused. NULL is
@@ -167,9 +168,11 @@ pub extern "C" fn tl_model_free(model: *mut tl_model) {
     boundary_void("tl_model_free", || close_handle(model))
 }
 
-/// Request cancellation of the call running on the model's default session; it stops at the
-/// next token and returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score
-/// calls are not interruptible. TL_OK when nothing is running or the model is closed.
+/// Request cancellation of the call running on the model's default session: a generation
+/// stops at the next token, any other call (score, logit lens, building a prefix cache or
+/// resume handle) at the next block application, and it returns `TL_ERR_CANCELLED` without
+/// writing its outputs. Calls that start later are not affected. TL_OK when nothing is running
+/// or the model is closed.
 ///
 /// Ownership: none. Threads: any thread, any time (typically another thread than the one
 /// generating, or the stream callback itself).

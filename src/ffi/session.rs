@@ -153,9 +153,9 @@ pub extern "C" fn tl_session_free(session: *mut tl_session) {
     })
 }
 
-/// Request cancellation of the call running on `session`; it stops at the next token and
-/// returns `TL_ERR_CANCELLED`. Calls that start later are not affected; score calls are not
-/// interruptible. TL_OK when nothing is running or the session was freed.
+/// Request cancellation of the call running on `session`; it stops as described at
+/// `tl_cancel` and returns `TL_ERR_CANCELLED`. Calls that start later are not affected. TL_OK
+/// when nothing is running or the session was freed.
 ///
 /// Ownership: none. Threads: any thread, any time (including the session's own stream
 /// callback).

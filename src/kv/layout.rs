@@ -178,6 +178,7 @@ impl KvLayout {
         }
         if let KvMode::Age(tiers) = mode {
             tiers.validate()?;
+            tiers.check_reachable(config.max_position)?;
         }
         Ok(KvLayout {
             mode,
@@ -535,6 +536,25 @@ mod tests {
         assert_eq!(rings(2048), [1088, 1024, 0]);
         assert_eq!(rings(4096), [1088, 3072, 0]);
         assert_eq!(rings(32768), [1088, 3136, 28672]);
+    }
+
+    #[test]
+    fn age_boundaries_are_bounded_by_max_position() {
+        let config = preset("tiny").unwrap(); // max_position 2048
+        let open = |mode: &str| KvLayout::new(&config, mode.parse().unwrap(), 64);
+        let err = open("age:64:18446744073709551552").unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "invalid argument: KV mode age:64:18446744073709551552: the FP8 boundary 18446744073709551552 is above \
+             the model's max_position 2048 (age boundaries must be at most 2048)"
+        );
+        let err = open("age:2112:4096").unwrap_err().to_string();
+        assert!(err.contains("the INT4 boundary 2112"), "{err}");
+        // A boundary at max_position is the end of every sequence: its tier is never reached.
+        assert!(open("age:1024:2048").is_ok());
+        assert!(open("age:2048:2112").is_err());
+        // Plain `age` keeps the seed table's 1024 and 4096 on every model.
+        assert!(open("age").is_ok());
     }
 
     #[test]

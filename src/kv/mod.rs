@@ -66,6 +66,26 @@ impl AgeTiers {
         }
         Ok(())
     }
+
+    /// Refuse a boundary above `max_position`: no entry of the model ever gets that old, so the
+    /// caller meant something else. The defaults are the seed table's for every model and are
+    /// taken as they are.
+    pub fn check_reachable(&self, max_position: usize) -> Result<()> {
+        if *self == AgeTiers::default() {
+            return Ok(());
+        }
+        for (name, boundary) in [("INT4", self.int4_from), ("FP8", self.fp8_from)] {
+            if boundary > max_position {
+                return Err(Error::invalid(format!(
+                    "KV mode {}: the {name} boundary {boundary} is above the model's \
+                     max_position {max_position} (age boundaries must be at most \
+                     {max_position})",
+                    KvMode::Age(*self)
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What the KV cache stores per position and block application (docs/NUMERICS.md "KV cache

@@ -410,6 +410,10 @@ static void test_open_and_lengths(void) {
           "  ... the message lists the modes");
     mp.kv_mode = "age:4096:1024";
     EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "kv_mode age boundaries out of order");
+    mp.kv_mode = "age:64:18446744073709551552";
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "kv_mode age boundary above max_position");
+    CHECK(strstr(tl_last_error_message(), "FP8 boundary 18446744073709551552 is above the model's max_position") != NULL,
+          "  ... the message names the boundary and the bound");
     mp.kv_mode = NULL;
     mp.struct_size = 4;
     EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "tl_model_params.struct_size too small");
@@ -433,6 +437,18 @@ static void test_open_and_lengths(void) {
     EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt + max_tokens (10 + 8) > max_seq_len (16)");
     gp = gen_params(6);
     EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "prompt + max_tokens == max_seq_len");
+    tl_prefix_cache *cache = NULL;
+    EXPECT(tl_prefix_cache_new(m, long_prompt, 16, 2, &cache), TL_ERR_INVALID_ARGUMENT, "tl_prefix_cache_new prefix of max_seq_len tokens");
+    tl_resume_handle *full = NULL;
+    EXPECT(tl_resume_handle_new(m, long_prompt, 16, 2, &full), TL_ERR_INVALID_ARGUMENT, "tl_resume_handle_new prompt of max_seq_len tokens");
+    CHECK(strstr(tl_last_error_message(), "leaves no room for a generated token in max_seq_len 16") != NULL,
+          "  ... the message says no token could be generated");
+    CHECK(cache == NULL && full == NULL, "  ... no handle written");
+    tl_resume_handle *room = NULL;
+    EXPECT(tl_resume_handle_new(m, long_prompt, 15, 2, &room), TL_OK, "tl_resume_handle_new prompt of max_seq_len - 1 tokens");
+    gp = gen_params(1);
+    EXPECT(tl_resume_generate(m, room, &gp, out, 16, &len), TL_OK, "  ... tl_resume_generate makes its one token");
+    tl_resume_handle_free(room);
     tl_model_free(m);
 
     /* prefill_chunk: score calls refuse sequences longer than the chunk; generate and the

@@ -95,6 +95,24 @@ TEST(Looped, GreedySpeculationEqualsPlainGeneration) {
               TL_ERR_INVALID_ARGUMENT);
 }
 
+TEST(Looped, SpeculativeNoCacheIsSpeculationWithoutReuse) {
+    auto model = open_model();
+    auto session = model.new_session();
+    auto opts = greedy(24, 4);
+    auto plain = model.generate(kPrompt, opts);
+    tinyloop::SpeculativeOptions without_reuse;
+    without_reuse.draft_loops = 2;
+    without_reuse.reuse = false;
+    auto expected = model.generate_speculative(kPrompt, opts, without_reuse);
+    EXPECT_EQ(expected, plain);
+    EXPECT_EQ(model.generate_speculative_no_cache(kPrompt, opts, 2), expected);
+    EXPECT_EQ(session.generate_speculative_no_cache(kPrompt, opts, 2, without_reuse.draft_len),
+              expected);
+    EXPECT_GT(session.last_generate_stats().drafted, 0u);
+    EXPECT_EQ(status_of([&] { model.generate_speculative_no_cache(kPrompt, opts, 4); }),
+              TL_ERR_INVALID_ARGUMENT);
+}
+
 TEST(Looped, PrefixCacheEqualsGeneratingFromTheWholeText) {
     auto model = open_model();
     std::vector<int32_t> whole = kPrefix;

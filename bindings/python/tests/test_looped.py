@@ -70,6 +70,27 @@ def test_greedy_speculation_equals_plain_generation(model, draft_loops, draft_le
     assert stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
 
 
+def test_speculative_no_cache_is_speculation_without_reuse(model):
+    plain = model.generate(PROMPT, max_tokens=24, loops=4)
+    with model.new_session() as s:
+        for runner in (model, s):
+            without_reuse = runner.generate_speculative(
+                PROMPT, draft_loops=2, draft_len=4, reuse=False, max_tokens=24, loops=4
+            )
+            out = runner.generate_speculative_no_cache(
+                PROMPT, draft_loops=2, draft_len=4, max_tokens=24, loops=4
+            )
+            np.testing.assert_array_equal(out, without_reuse)
+            np.testing.assert_array_equal(out, plain)
+            assert runner.last_generate_stats()["drafted"] > 0
+    out = model.generate_speculative_no_cache(PROMPT, draft_loops=2, max_tokens=24, verify_loops=4)
+    np.testing.assert_array_equal(out, plain)
+    with pytest.raises(TypeError):
+        model.generate_speculative_no_cache(PROMPT, draft_loops=2, reuse=True)
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate_speculative_no_cache(PROMPT, draft_loops=4, max_tokens=4, loops=4)
+
+
 def test_stats_of_plain_generation_and_of_a_session(model):
     model.generate(PROMPT, max_tokens=5)
     stats = model.last_generate_stats()
@@ -163,6 +184,10 @@ def test_looped_calls_after_close_name_the_method(model_path):
         ("score_logit_lens", lambda: m.score_logit_lens(PROMPT)),
         ("score_trajectory", lambda: m.score_trajectory(PROMPT)),
         ("generate_speculative", lambda: m.generate_speculative(PROMPT, draft_loops=1)),
+        (
+            "generate_speculative_no_cache",
+            lambda: m.generate_speculative_no_cache(PROMPT, draft_loops=1),
+        ),
         ("build_prefix_cache", lambda: m.build_prefix_cache(PROMPT)),
         ("last_generate_stats", lambda: m.last_generate_stats()),
     ]:

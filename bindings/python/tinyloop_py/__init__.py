@@ -8,7 +8,8 @@ A :class:`Model` is a model plus its default session: one call at a time (a seco
 call raises :class:`BusyError`). For concurrency, give each thread its own :class:`Session`
 from :meth:`Model.new_session`; sessions share the model's weights. Every call releases the GIL
 while it runs. Every ``loops`` keyword is also accepted as ``n_loops`` (and, in
-:meth:`Model.generate_speculative`, as ``verify_loops``).
+:meth:`Model.generate_speculative` and :meth:`Model.generate_speculative_no_cache`, as
+``verify_loops``).
 """
 
 from __future__ import annotations
@@ -369,7 +370,11 @@ class _Handle:
 
 
 #: The C names of the methods whose name differs (without the tl_ / tl_session_ prefix).
-_C_NAMES = {"build_prefix_cache": "prefix_cache_new", "build_resume_handle": "resume_handle_new"}
+_C_NAMES = {
+    "build_prefix_cache": "prefix_cache_new",
+    "build_resume_handle": "resume_handle_new",
+    "generate_speculative_no_cache": "generate_speculative",
+}
 
 
 class _Runner:
@@ -425,8 +430,9 @@ class _Runner:
             pass
 
     def cancel(self) -> None:
-        """Stop the generation running in another thread at its next token; it then raises
-        :class:`CancelledError`. Does nothing when no call is running."""
+        """Stop the call running in another thread: a generation at its next token, a score
+        call at its next block application; it then raises :class:`CancelledError`. Does
+        nothing when no call is running."""
         self._run("cancel", "cancel")
 
     @_loops_also_as("n_loops")
@@ -665,23 +671,55 @@ class _Runner:
         """Self-speculative generation: ``draft_len`` tokens at a time drafted at
         ``draft_loops`` iterations, verified at ``loops`` (the model default when None). Greedy
         output equals :meth:`generate` at ``loops``; sampled output has its distribution.
-        ``reuse=False`` recomputes every block in the verify pass (the baseline). Acceptance
-        counts (and with ``beta_monitor`` the BETA-MON summary, agreement included):
-        :meth:`last_generate_stats`."""
+        ``reuse=False`` recomputes every block in the verify pass (the baseline,
+        :meth:`generate_speculative_no_cache`). Acceptance counts (and with ``beta_monitor``
+        the BETA-MON summary, agreement included): :meth:`last_generate_stats`."""
         call = _Call(
             tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
             ctx_tier=ctx_tier, beta_monitor=beta_monitor,
         )
+        return self._speculative("generate_speculative", call, draft_loops, draft_len, reuse)
+
+    @_loops_also_as("n_loops", "verify_loops")
+    def generate_speculative_no_cache(
+        self,
+        tokens: Tokens,
+        draft_loops: int,
+        draft_len: int = 4,
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+        ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
+        beta_monitor: BetaMonitor = None,
+    ) -> np.ndarray:
+        """The reference pages' name for :meth:`generate_speculative` with ``reuse=False``
+        (the same arguments but ``reuse``): the verify pass recomputes every block application
+        instead of continuing from the draft's KV and hidden state. The same tokens, slower;
+        the baseline that draft reuse is measured against."""
+        call = _Call(
+            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
+            ctx_tier=ctx_tier, beta_monitor=beta_monitor,
+        )
+        method = "generate_speculative_no_cache"
+        return self._speculative(method, call, draft_loops, draft_len, reuse=False)
+
+    def _speculative(
+        self, method: str, call: _Call, draft_loops: int, draft_len: int, reuse: bool
+    ) -> np.ndarray:
+        """``tl_generate_speculative`` for ``method``."""
         spec = _c.SpeculativeParams()
-        _check(_dll.tl_speculative_default_params(ctypes.byref(spec)), "generate_speculative")
+        _check(_dll.tl_speculative_default_params(ctypes.byref(spec)), method)
         spec.draft_loops = _int(draft_loops, "draft_loops", 0, _U32_MAX)
         spec.draft_len = _int(draft_len, "draft_len", 0, _U32_MAX)
         spec.reuse = bool(reuse)
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
         self._looped(
-            "generate_speculative", *call.args(), ctypes.byref(spec), _ptr(out), out.size,
-            ctypes.byref(n),
+            method, *call.args(), ctypes.byref(spec), _ptr(out), out.size, ctypes.byref(n),
         )
         return out[: n.value].copy()
 
