@@ -336,7 +336,7 @@ pub fn score<B: Backend>(
         |buf, offset, rows| {
             // Each group of rows is copied straight to its place in the result.
             let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
-            for_logit_rows(backend, w, buf, rows, step_out, |_, _| {})
+            for_logit_rows(backend, w, buf, rows, LogitsTo::Places(step_out), |_, _| {})
         },
     )?;
     Ok(out)
@@ -392,34 +392,52 @@ pub fn logprobs_chunked<B: Backend>(
         greedy,
         cancel,
         |buf, offset, rows| {
-            for_logit_rows(backend, w, buf, rows, &mut values, |row, logits| {
-                if let Some(&next) = tokens.get(offset + row + 1) {
-                    out.push(logprob(logits, next));
-                }
-            })
+            for_logit_rows(
+                backend,
+                w,
+                buf,
+                rows,
+                LogitsTo::Reused(&mut values),
+                |row, logits| {
+                    if let Some(&next) = tokens.get(offset + row + 1) {
+                        out.push(logprob(logits, next));
+                    }
+                },
+            )
         },
     )?;
     Ok(out)
 }
 
-/// The logits of the last step's `rows` rows, `LOGIT_ROWS` at a time, read into `into` (room for
-/// all rows, or for one group reused) and checked finite; `each(row, logits)` sees every row.
+/// Where [`for_logit_rows`] reads logits to.
+enum LogitsTo<'a> {
+    /// Every row to its own place: `rows × vocab` values.
+    Places(&'a mut [f32]),
+    /// Each group of rows into the same `LOGIT_ROWS × vocab` values.
+    Reused(&'a mut [f32]),
+}
+
+/// The logits of the last step's `rows` rows, `LOGIT_ROWS` at a time, read to `into` and checked
+/// finite; `each(row, logits)` sees every row.
 fn for_logit_rows<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     rows: usize,
-    into: &mut [f32],
+    into: LogitsTo,
     mut each: impl FnMut(usize, &[f32]),
 ) -> Result<()> {
     let vocab = w.config.vocab_size;
-    let whole = into.len() >= rows * vocab;
     final_norm(backend, w, buf, rows);
+    let (values, places) = match into {
+        LogitsTo::Places(v) => (v, true),
+        LogitsTo::Reused(v) => (v, false),
+    };
     for first in (0..rows).step_by(LOGIT_ROWS) {
         let n = LOGIT_ROWS.min(rows - first);
         logits(backend, w, buf, first, n);
-        let at = if whole { first * vocab } else { 0 };
-        let group = &mut into[at..at + n * vocab];
+        let at = if places { first * vocab } else { 0 };
+        let group = &mut values[at..at + n * vocab];
         backend.read_float_into(&buf.logits, 0, group)?;
         check_finite(group)?;
         for (r, row) in group.chunks_exact(vocab).enumerate() {
