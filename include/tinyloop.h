@@ -81,7 +81,9 @@ typedef struct tl_model_params {
     // defaults); other smaller values are rejected (`TL_ERR_INVALID_ARGUMENT`); larger values
     // are accepted and the extra bytes ignored.
     size_t struct_size;
-    // Upper bound on prompt + generated tokens of one sequence. Must be > 0. Default 2048.
+    // Upper bound on prompt + generated tokens of one sequence, at most the model's
+    // max_position. 0 (default) opens the model for 2048 tokens, or for max_position when that
+    // is smaller; `tl_model_config` reports the value in use.
     uint32_t max_seq_len;
     // When > 0, step buffers hold this many rows, longer prompts are prefilled in chunks, and
     // score calls accept at most this many tokens. 0 (default) sizes buffers to max_seq_len.
@@ -91,7 +93,8 @@ typedef struct tl_model_params {
     const char *device;
     // Largest loop count a call may ask for (bounds the KV cache). Must be > 0. Default 64.
     uint32_t max_loops;
-    // Print the load log on stderr. Default true.
+    // Print the library's lines on stderr: the load log, and the CTX-TIER and BETA-MON lines of
+    // calls that ask for them. false: the library writes nothing on stderr. Default true.
     bool log;
     // KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
     // "age:A:B" (docs/ABI.md "KV cache modes"). NULL (default) uses the environment
@@ -215,7 +218,7 @@ typedef struct tl_config {
     uint32_t max_position;
     // "untied" or "tied" (static storage; never free).
     const char *head;
-    // The options the model was opened with.
+    // The options the model was opened with (`max_seq_len` as resolved: never 0).
     uint32_t max_seq_len;
     uint32_t prefill_chunk;
     uint32_t max_loops;

@@ -15,27 +15,31 @@
 #   install    scripts/install into a prefix outside the repository (the steps below use it)
 #   python     the wheel (pip wheel bindings/python) installed into a fresh venv; its tests run
 #              from a folder outside the repository, then the NumPy reference check
+#   fresh-venv what a new user does: `pip install bindings/python` into a fresh venv with pip's
+#              default build isolation and nothing prepared, then generate from
+#              models/demo.tinyloop
 #   go         go vet + go test in bindings/go (through pkg-config and the installed prefix)
 #   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
 #   consumers  tests/consumers built outside the repository against the installed prefix: C with
-#              pkg-config, C/C++ with find_package(tinyloop), Go from a copy of the module, and
-#              C++ with add_subdirectory(bindings/cpp); each generates text from
-#              models/demo.tinyloop
+#              pkg-config (shared, and --static: libtinyloop.a), C/C++ with find_package(tinyloop),
+#              Go from a copy of the module, and C++ with add_subdirectory(bindings/cpp); each
+#              generates text from models/demo.tinyloop
 #
 # Usage: scripts/test-bindings.sh [STEP...]     (default: all steps)
 #
 # Uses target/release/{libtinyloop.so,libtinyloop.a,tinyloop}; runs `cargo build --release`
 # first when cargo is available (a no-op when up to date), else expects them to exist
-# (TINYLOOP_TARGET_DIR overrides target/release for the C steps). Missing system tools are
-# installed with apt-get only when running as root with CI=true; the python step pip-installs
-# numpy and pytest into its venv, and the NVRTC wheels (scripts/nvrtc-wheels) are fetched for the
-# precompiled kernels. Exits non-zero when any step fails; every step runs regardless, and a
-# summary ends the output.
+# (TINYLOOP_TARGET_DIR overrides target/release for the C steps; CARGO_TARGET_DIR moves target/).
+# Missing system tools are installed with apt-get only when running as root with CI=true; the
+# python steps pip-install numpy and pytest into their venvs, and the NVRTC wheels
+# (scripts/nvrtc-wheels) are fetched when the install and the wheels ship precompiled kernels
+# (scripts/ship-kernels says when). Exits non-zero when any step fails; every step runs
+# regardless, and a summary ends the output.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-REL="${TINYLOOP_TARGET_DIR:-$ROOT/target/release}"
+REL="${TINYLOOP_TARGET_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/release}"
 WORK="$ROOT/target/bindings-test"
 mkdir -p "$WORK"
 CC="${CC:-cc}"
@@ -49,7 +53,8 @@ export GOCACHE="$OUTSIDE/go-cache"
 # Kernels compiled for the install are reused by the wheel build.
 export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
-ALL_STEPS=(header c-so c-static c-abi c-seed valgrind valgrind-seed valgrind-abi asan install python go cpp consumers)
+ALL_STEPS=(header c-so c-static c-abi c-seed valgrind valgrind-seed valgrind-abi asan install python fresh-venv
+    go cpp consumers)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
 declare -A RESULT=()
@@ -75,7 +80,7 @@ fi
 { wants go || wants consumers; } && need go golang-go
 { wants install || wants go || wants consumers; } && need pkg-config pkg-config
 wants consumers && need cmake cmake && need g++ g++
-if wants python; then
+if wants python || wants fresh-venv; then
     need python3 python3
     python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing_pkgs+=(python3-venv python3-pip)
 fi
@@ -227,9 +232,13 @@ step_python() {
     listing="$(python3 -m zipfile -l "$wheel")" || { echo "cannot list $wheel"; return 1; }
     grep -q ' *tinyloop_py/libtinyloop.so ' <<<"$listing" \
         || { echo "no libtinyloop.so in the wheel"; return 1; }
-    [ "${TINYLOOP_SHIP_KERNELS:-1}" = 0 ] \
-        || [ "$(grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-' <<<"$listing")" = 2 ] \
-        || { echo "the wheel lacks the sm_80 and sm_90 kernels"; return 1; }
+    local kernels
+    kernels="$(grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-' <<<"$listing")"
+    if scripts/ship-kernels --wanted; then
+        [ "$kernels" = 2 ] || { echo "the wheel lacks the sm_80 and sm_90 kernels"; return 1; }
+    else
+        [ "$kernels" = 0 ] || { echo "the wheel ships kernels it was not asked for"; return 1; }
+    fi
     python3 -m venv "$venv" && "$venv/bin/python" -m pip install "${pipflags[@]}" "$wheel" pytest \
         || return 1
     # The binding's tests from a folder outside the repository, with no TINYLOOP_LIB: the
@@ -242,6 +251,34 @@ step_python() {
     ) || return 1
     # tests/python checks the runtime against the NumPy reference (tools/reference.py).
     PYTHONDONTWRITEBYTECODE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/python
+}
+
+step_fresh_venv() {
+    # NVRTC, when kernels are shipped, is fetched inside the isolated build into a folder of its
+    # own: a folder fetched by an earlier step must not hide a failure to fetch it there.
+    local venv="$OUTSIDE/fresh-venv" expected=0
+    scripts/ship-kernels --wanted && expected=2
+    python3 -m venv "$venv" &&
+        TINYLOOP_NVRTC_SITE="$OUTSIDE/fresh-venv-nvrtc" "$venv/bin/python" -m pip install -q \
+            --disable-pip-version-check "$ROOT/bindings/python" || return 1
+    (
+        cd "$OUTSIDE" && unset TINYLOOP_LIB && export PYTHONDONTWRITEBYTECODE=1 &&
+            "$venv/bin/python" - "$ROOT/models/demo.tinyloop" "$expected" <<'EOF'
+import pathlib
+import sys
+
+import tinyloop_py
+
+package = pathlib.Path(tinyloop_py.__file__).parent
+assert pathlib.Path(tinyloop_py.library_path()).resolve().parent == package.resolve()
+kernels = list((package / "tinyloop" / "kernels").glob("tinyloop-sm_*"))
+assert len(kernels) == int(sys.argv[2]), f"expected {sys.argv[2]} kernel files, found {kernels}"
+with tinyloop_py.Model(sys.argv[1]) as model:
+    tokens = model.generate(list(b"ROMEO:"), max_tokens=24)
+assert len(tokens) == 24, tokens
+print("generated:", bytes(tokens.tolist()).decode(errors="replace"))
+EOF
+    )
 }
 
 step_go() {
@@ -272,6 +309,14 @@ step_consumers() {
         "$CC" -std=c11 -Wall -Wextra -Werror generate.c $(pkg-config --cflags --libs tinyloop) \
             -o generate
         ./generate "$demo"
+        echo "-- C, pkg-config --static: libtinyloop.a"
+        "$CC" -std=c11 -Wall -Wextra -Werror generate.c \
+            $(pkg-config --cflags --static --libs tinyloop) -o generate_static
+        if grep -q libtinyloop <<<"$(ldd generate_static)"; then
+            echo "generate_static links libtinyloop dynamically"
+            exit 1
+        fi
+        ./generate_static "$demo"
         echo "-- C and C++, find_package(tinyloop): shared, static, tinyloop.hpp"
         cmake -S "$src/cmake" -B "$src/cmake/build" -DCMAKE_PREFIX_PATH="$PREFIX" \
             -DCMAKE_BUILD_TYPE=Release >/dev/null

@@ -202,6 +202,8 @@ struct Transition {
 
 struct Call {
     policy: CtxTier,
+    /// Print the call's lines on stderr (the model's `log` option).
+    log: bool,
     start: Instant,
     stats: CtxTierStats,
     transitions: Vec<Transition>,
@@ -217,9 +219,12 @@ impl Call {
         }
         self.announced = true;
         let p = &self.policy;
-        eprintln!(
+        log_line!(
+            self.log,
             "[ctx_tier] enabled: short_t={} long_t={} long_bits=INT{}",
-            p.short_t, p.long_t, p.long_bits
+            p.short_t,
+            p.long_t,
+            p.long_bits
         );
         self.start = Instant::now();
     }
@@ -238,11 +243,13 @@ impl TierTracker {
         self.tier
     }
 
-    /// Start a call under `policy` (none: the call runs at SHORT and reports nothing). Nothing
-    /// is reported before its first step, so a call refused earlier prints nothing.
-    pub fn begin(&mut self, policy: Option<CtxTier>) {
+    /// Start a call under `policy` (none: the call runs at SHORT and reports nothing), printing
+    /// its lines on stderr when `log`. Nothing is reported before its first step, so a call
+    /// refused earlier prints nothing.
+    pub fn begin(&mut self, policy: Option<CtxTier>, log: bool) {
         self.call = policy.map(|policy| Call {
             policy,
+            log,
             start: Instant::now(),
             stats: CtxTierStats::default(),
             transitions: Vec::new(),
@@ -325,7 +332,8 @@ impl TierTracker {
     fn record(&mut self, seq_len: usize, to: Tier) {
         if let Some(call) = &mut self.call {
             let observation = call.stats.observations;
-            eprintln!(
+            log_line!(
+                call.log,
                 "[ctx_tier] transition at observation {observation} (seq_len={seq_len}): {} -> \
                  {to}",
                 self.tier
@@ -350,12 +358,14 @@ impl TierTracker {
         call.stats.freed_bytes += freed;
         let mb = freed as f64 / 1e6;
         match to {
-            Tier::Long => eprintln!(
+            Tier::Long => log_line!(
+                call.log,
                 "[ctx_tier] apply: loop body, {weights} weights re-packed (INT4 → INT{}, {mb:.2} MB \
                  freed) in {ms:.1} ms",
                 call.policy.long_bits
             ),
-            Tier::Short => eprintln!(
+            Tier::Short => log_line!(
+                call.log,
                 "[ctx_tier] apply: loop body, {weights} weights restored (INT{} → INT4, {:.2} MB \
                  allocated) in {ms:.1} ms",
                 call.policy.long_bits, -mb
@@ -370,7 +380,8 @@ impl TierTracker {
         let stats = &mut call.stats;
         stats.elapsed_ms = call.start.elapsed().as_secs_f64() * 1e3;
         stats.tier = self.tier;
-        eprintln!(
+        log_line!(
+            call.log,
             "[ctx_tier] summary: n_obs={} elapsed={:.1}ms SHORT={:.1}% LONG={:.1}% transitions={} \
              last_seq_len={}",
             stats.observations,
@@ -386,15 +397,22 @@ impl TierTracker {
                     Tier::Long => Tier::Short,
                     Tier::Short => Tier::Long,
                 };
-                eprintln!(
+                log_line!(
+                    call.log,
                     "[ctx_tier]   t={} seq_len={} : {from} -> {}",
-                    t.observation, t.seq_len, t.to
+                    t.observation,
+                    t.seq_len,
+                    t.to
                 );
             }
         }
         if let Some(path) = &call.policy.file {
             if let Err(e) = std::fs::write(path, summary_json(&call).to_string()) {
-                eprintln!("[ctx_tier] could not write {}: {e}", path.display());
+                log_line!(
+                    call.log,
+                    "[ctx_tier] could not write {}: {e}",
+                    path.display()
+                );
             }
         }
         Some(call.stats)
@@ -446,7 +464,7 @@ mod tests {
     #[test]
     fn hysteresis_between_the_thresholds() {
         let mut t = TierTracker::default();
-        t.begin(policy(4, 8));
+        t.begin(policy(4, 8), false);
         let tiers: Vec<Tier> = [5, 6, 7, 8, 9].map(|s| t.observe(s)).to_vec();
         assert_eq!(tiers[..3], [Tier::Short; 3]);
         assert_eq!(tiers[3..], [Tier::Long; 2]);
@@ -456,17 +474,17 @@ mod tests {
             (1, 3, 2)
         );
         // A new call between the thresholds stays LONG; below short_t it returns to SHORT.
-        t.begin(policy(4, 8));
+        t.begin(policy(4, 8), false);
         assert_eq!(t.observe(5), Tier::Long);
         t.finish();
-        t.begin(policy(4, 8));
+        t.begin(policy(4, 8), false);
         assert_eq!(t.observe(3), Tier::Short);
         assert_eq!(t.finish().unwrap().transitions, 1);
         // A call without a policy runs at SHORT.
-        t.begin(policy(4, 8));
+        t.begin(policy(4, 8), false);
         t.observe(100);
         t.finish();
-        t.begin(None);
+        t.begin(None, false);
         assert_eq!(t.observe(100), Tier::Short);
         assert!(t.finish().is_none());
     }

@@ -12,6 +12,16 @@
 //! `Clone`; clones share the weights). A [`Session`] holds the runtime buffers and KV cache of one
 //! sequence; it is used by one thread at a time, and many sessions share one model's weights.
 
+/// One line of the library's log on stderr, written only when `$on`: the model's `log` option
+/// ([`ModelOptions::log`]) governs the load log and every CTX-TIER and BETA-MON line alike.
+macro_rules! log_line {
+    ($on:expr, $($arg:tt)*) => {
+        if $on {
+            eprintln!($($arg)*);
+        }
+    };
+}
+
 mod alloc;
 pub mod backend;
 pub mod convert;
@@ -53,14 +63,17 @@ pub use generate::speculative::{Speculation, MAX_DRAFT_LEN};
 pub use generate::GenerateStats;
 pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
-pub use model::config::{HeadKind, ModelConfig, NormKind};
+pub use model::config::{HeadKind, ModelConfig, NormKind, DEFAULT_MAX_SEQ_LEN};
 pub use session::{CancelHandle, Session};
 pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelOptions {
-    /// Upper bound on prompt + generated tokens of one sequence. Must be > 0.
+    /// Upper bound on prompt + generated tokens of one sequence, at most the model's
+    /// `max_position`. 0 (the default) opens the model for
+    /// [`ModelConfig::default_max_seq_len`]: 2048, or `max_position` when that is smaller.
+    /// [`Model::options`] reports the value in use.
     pub max_seq_len: usize,
     /// When > 0, step buffers hold this many rows and longer prompts are prefilled in chunks;
     /// score calls then accept at most this many tokens. 0 sizes buffers to `max_seq_len`.
@@ -71,7 +84,9 @@ pub struct ModelOptions {
     pub max_loops: usize,
     /// What the KV cache stores; `None` uses the environment's default ([`KvMode::from_env`]).
     pub kv_mode: Option<KvMode>,
-    /// Print the load log on stderr.
+    /// Print the library's lines on stderr: the load log, and the CTX-TIER and BETA-MON lines of
+    /// calls that ask for them. `false`: the library writes nothing on stderr (the statistics
+    /// and the JSON files of CTX-TIER and BETA-MON are unaffected).
     pub log: bool,
     /// Keep an FP16 copy of the transformer blocks' quantized weights on the GPU for prefill GEMMs
     /// through cuBLAS (more memory, faster long prompts; weights rounded to f16 on that path,
@@ -83,7 +98,7 @@ pub struct ModelOptions {
 impl Default for ModelOptions {
     fn default() -> Self {
         ModelOptions {
-            max_seq_len: 2048,
+            max_seq_len: 0,
             prefill_chunk: 0,
             device: None,
             max_loops: 64,
@@ -161,9 +176,6 @@ impl Model {
     /// Open and validate a `.tinyloop` file, then upload its weights to the chosen device.
     pub fn open(path: impl AsRef<Path>, options: &ModelOptions) -> Result<Model> {
         let start = Instant::now();
-        if options.max_seq_len == 0 {
-            return Err(Error::invalid("max_seq_len must be > 0"));
-        }
         if options.max_loops == 0 {
             return Err(Error::invalid("max_loops must be > 0"));
         }
@@ -177,6 +189,13 @@ impl Model {
             (file, choice)
         });
         let (file, choice) = (file?, choice?);
+        let options = &ModelOptions {
+            max_seq_len: match options.max_seq_len {
+                0 => file.config.default_max_seq_len(),
+                n => n,
+            },
+            ..options.clone()
+        };
         file.config
             .check_session(options.max_seq_len, options.max_loops)?;
         let kv_mode = match options.kv_mode {
@@ -242,18 +261,17 @@ impl Model {
             kernel_ms,
             metadata: file.metadata.clone(),
         };
-        if options.log {
-            eprintln!(
-                "[tinyloop] loaded {} on {}: {} tensors, weights {:.1} MB, {:.1} ms",
-                path.as_ref().display(),
-                info.device,
-                info.tensors,
-                info.weight_bytes as f64 / 1e6,
-                info.load_ms
-            );
-            for note in &notes {
-                eprintln!("[tinyloop]   {note}");
-            }
+        log_line!(
+            options.log,
+            "[tinyloop] loaded {} on {}: {} tensors, weights {:.1} MB, {:.1} ms",
+            path.as_ref().display(),
+            info.device,
+            info.tensors,
+            info.weight_bytes as f64 / 1e6,
+            info.load_ms
+        );
+        for note in &notes {
+            log_line!(options.log, "[tinyloop]   {note}");
         }
         Ok(Model {
             shared: Arc::new(Shared {
@@ -323,18 +341,17 @@ impl Model {
                 let backend = l.backend.session(config)?;
                 let (body, _) = l.weights.body.acquire(&backend, Tier::Short)?;
                 let buffers = Buffers::new(&backend, config, rows, layout, body)?;
-                if opts.log {
-                    let layout = &buffers.kv.layout;
-                    let loops = config.default_loops;
-                    eprintln!(
-                        "[tinyloop] session on {}: buffers {:.1} MB for {rows} rows, KV cache ({}) \
-                         {:.1} MB at L={loops} (allocated at first use)",
-                        backend.describe(),
-                        (buffers.bytes + backend.own_bytes()) as f64 / 1e6,
-                        layout.mode,
-                        layout.bytes(layout.slots(loops)) as f64 / 1e6,
-                    );
-                }
+                let layout = &buffers.kv.layout;
+                let loops = config.default_loops;
+                log_line!(
+                    opts.log,
+                    "[tinyloop] session on {}: buffers {:.1} MB for {rows} rows, KV cache ({}) \
+                     {:.1} MB at L={loops} (allocated at first use)",
+                    backend.describe(),
+                    (buffers.bytes + backend.own_bytes()) as f64 / 1e6,
+                    layout.mode,
+                    layout.bytes(layout.slots(loops)) as f64 / 1e6,
+                );
                 SessionState::Cuda(CudaSession { buffers, backend })
             }
         };

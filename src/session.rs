@@ -376,7 +376,7 @@ impl Session {
         let (tokens, mut stats) = result?;
         stats.ctx_tier = self.tier_stats;
         if let Some(summary) = &stats.beta_mon {
-            beta_monitor::report(summary, &self.shared.beta_env);
+            beta_monitor::report(summary, &self.shared.beta_env, self.shared.options.log);
         }
         self.stats = stats;
         Ok(tokens)
@@ -399,7 +399,8 @@ impl Session {
                 )));
             }
         }
-        with_backend!(self, |_b, _w, buf| buf.tier.begin(ctx_tier));
+        let log = self.shared.options.log;
+        with_backend!(self, |_b, _w, buf| buf.tier.begin(ctx_tier, log));
         Ok(())
     }
 
@@ -466,7 +467,11 @@ impl Session {
             loops,
             sampling: params.sampling,
             stop_tokens: params.stop_tokens.clone(),
-            monitor: beta_monitor::resolve(params.beta_monitor, &self.shared.beta_env)?,
+            monitor: beta_monitor::resolve(
+                params.beta_monitor,
+                &self.shared.beta_env,
+                self.shared.options.log,
+            )?,
         })
     }
 

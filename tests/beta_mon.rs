@@ -342,6 +342,23 @@ fn tinyloop(args: &[&str], env: &[(&str, &str)]) -> Output {
     cmd.envs(env.iter().copied()).output().unwrap()
 }
 
+/// The demo's `generate` as text, with the library's log on: (stdout, stderr).
+fn generate_text(env: &[(&str, &str)]) -> (String, String) {
+    let model = demo();
+    let args = [
+        model.to_str().unwrap(),
+        "generate",
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "40",
+    ];
+    let out = tinyloop(&args, env);
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(out.status.success(), "failed: {stderr}");
+    (String::from_utf8(out.stdout).unwrap(), stderr)
+}
+
 fn generate_json(extra: &[&str], env: &[(&str, &str)]) -> (serde_json::Value, String) {
     let model = demo();
     let mut args = vec![
@@ -506,11 +523,20 @@ fn the_flag_and_the_file_and_verbose_lines() {
     ] {
         assert!(written.get(key).is_some(), "{key} missing from {written}");
     }
-    let token_lines = stderr
-        .lines()
-        .filter(|l| l.starts_with("[beta_mon] token "))
-        .count();
-    assert_eq!(token_lines, 40, "{stderr}");
+    let token_lines = |stderr: &str| {
+        stderr
+            .lines()
+            .filter(|l| l.starts_with("[beta_mon] token "))
+            .count()
+    };
+    // The token lines are the library's log: none under -q, one per token from a model that
+    // logs.
+    assert_eq!(token_lines(&stderr), 0, "{stderr}");
+    let (_, stderr) = generate_text(&[
+        ("TINYLOOP_BETA_MONITOR", "1"),
+        ("TINYLOOP_BETA_MON_VERBOSE", "1"),
+    ]);
+    assert_eq!(token_lines(&stderr), 40, "{stderr}");
     // The file alone writes it for calls that ask, and prints nothing.
     std::fs::remove_file(&file).unwrap();
     let (_, stderr) = generate_json(&["--beta-monitor"], &[("TINYLOOP_BETA_MON_FILE", file_str)]);
@@ -537,15 +563,12 @@ fn the_flag_and_the_file_and_verbose_lines() {
 
 #[test]
 fn an_unwritable_file_is_one_warning_and_keeps_the_tokens() {
-    let (quiet, _) = generate_json(&[], &[]);
-    let (out, stderr) = generate_json(
-        &[],
-        &[
-            ("TINYLOOP_BETA_MONITOR", "1"),
-            ("TINYLOOP_BETA_MON_FILE", "/nonexistent-dir/beta.json"),
-        ],
-    );
-    assert_eq!(out["tokens"], quiet["tokens"]);
+    let (plain, _) = generate_text(&[]);
+    let (out, stderr) = generate_text(&[
+        ("TINYLOOP_BETA_MONITOR", "1"),
+        ("TINYLOOP_BETA_MON_FILE", "/nonexistent-dir/beta.json"),
+    ]);
+    assert_eq!(out, plain);
     let warnings: Vec<&str> = stderr
         .lines()
         .filter(|l| l.starts_with("[beta_mon] warning: cannot write TINYLOOP_BETA_MON_FILE="))

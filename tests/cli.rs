@@ -405,18 +405,28 @@ fn model_path_problems_are_named() {
     );
 }
 
+/// Every command a user can run.
+const COMMANDS: [&str; 9] = [
+    "info",
+    "generate",
+    "score",
+    "bench",
+    "lens",
+    "trajectory",
+    "requantize",
+    "synth",
+    "convert",
+];
+
 #[test]
 fn help_works_for_every_command() {
-    for (command, usage) in [
-        ("convert", "Usage: tinyloop convert"),
-        ("synth", "Usage: tinyloop synth"),
-        ("generate", "Usage: tinyloop MODEL generate"),
-        ("score", "Usage: tinyloop MODEL score"),
-        ("bench", "Usage: tinyloop MODEL bench"),
-        ("info", "Usage: tinyloop MODEL info"),
-    ] {
+    for command in COMMANDS {
+        let usage = match command {
+            "synth" | "convert" => format!("Usage: tinyloop {command}"),
+            _ => format!("Usage: tinyloop MODEL {command}"),
+        };
         let out = stdout(&tinyloop(&["help", command]));
-        assert!(out.contains(usage), "help {command}: {out}");
+        assert!(out.contains(&usage), "help {command}: {out}");
     }
     for command in ["convert", "synth"] {
         let out = stdout(&tinyloop(&[command, "--help"]));
@@ -494,4 +504,266 @@ fn score_and_bench_show_progress_on_a_terminal_only() {
     // Not a terminal: no progress either.
     let out = tinyloop(&score);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("[score]"));
+}
+
+/// The usage line, the footer of `tinyloop help` and the unknown-command error name every
+/// command, and every option of every command has a description.
+#[test]
+fn help_is_complete() {
+    let help = stdout(&tinyloop(&["help"]));
+    let usage = help.lines().find(|l| l.starts_with("Usage: ")).unwrap();
+    let footer = help.lines().last().unwrap();
+    let unknown = tinyloop(&["help", "frobnicate"]);
+    let unknown = String::from_utf8_lossy(&unknown.stderr);
+    for command in COMMANDS {
+        if !matches!(command, "synth" | "convert") {
+            assert!(usage.contains(command), "usage lacks {command}: {usage}");
+        }
+        assert!(footer.contains(command), "footer lacks {command}: {footer}");
+        assert!(
+            unknown.contains(command),
+            "error lacks {command}: {unknown}"
+        );
+    }
+    for command in COMMANDS {
+        let text = stdout(&tinyloop(&["help", command]));
+        let lines: Vec<&str> = text.lines().collect();
+        // The long help puts each option on its own line, its description on the next.
+        for (i, line) in lines.iter().enumerate() {
+            let option = line.trim_start();
+            if !(option.starts_with("--")
+                || option.starts_with("-q, ")
+                || option.starts_with("-h, "))
+            {
+                continue;
+            }
+            let next = lines.get(i + 1).map_or("", |l| l.trim());
+            assert!(
+                !next.is_empty() && !next.starts_with("[default"),
+                "help {command}: {option} has no description"
+            );
+        }
+    }
+}
+
+/// A call the library refuses prints nothing on stdout: the prompt is echoed only with the
+/// first generated token.
+#[test]
+fn generate_checks_everything_before_printing() {
+    let m = model();
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--tokens", "1,2,300"],
+            "token 2: 300 is out of range for vocab_size 256",
+        ),
+        (
+            &["--prompt", "abc", "--max-tokens", "0"],
+            "max_tokens must be >= 1",
+        ),
+        (
+            &[
+                "--prompt",
+                "abcdef",
+                "--max-tokens",
+                "20",
+                "--max-seq-len",
+                "16",
+            ],
+            "prompt of 6 tokens + max_tokens 20 exceeds max_seq_len 16",
+        ),
+    ];
+    for (args, expected) in cases {
+        let args: Vec<&str> = [&m, "generate"]
+            .into_iter()
+            .chain(args.iter().copied())
+            .collect();
+        let out = tinyloop(&args);
+        assert_one_line_error(&out, &format!("{args:?}"), expected);
+        assert!(out.stdout.is_empty(), "{args:?} printed {:?}", out.stdout);
+    }
+    let out = stdout(&tinyloop(&[
+        &m,
+        "generate",
+        "--tokens",
+        "72,105",
+        "--max-tokens",
+        "3",
+        "-q",
+    ]));
+    assert!(
+        out.starts_with("Hi"),
+        "the prompt is echoed before the tokens: {out:?}"
+    );
+}
+
+/// An option that only means something beside another is an error without it.
+#[test]
+fn options_without_their_companion_are_errors() {
+    let m = model();
+    let dir = common::scratch("cli-companions");
+    let calib = dir.join("calib.txt");
+    std::fs::write(&calib, "calibration text").unwrap();
+    let calib = calib.to_str().unwrap();
+    let convert = [
+        "convert",
+        "--safetensors",
+        "/x.safetensors",
+        "--config",
+        "/x.json",
+        "--out",
+        "/tmp/x",
+    ];
+    let generate = [m.as_str(), "generate", "--prompt", "x"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--draft-len", "3"], "--draft-loops"),
+        (vec!["--no-draft-reuse"], "--draft-loops"),
+        (vec!["--seed", "3"], "pass --temperature > 0"),
+        (vec!["--top-k", "5"], "pass --temperature > 0"),
+        (vec!["--top-p", "0.5"], "pass --temperature > 0"),
+        (vec!["--ctx-tier-long-t", "8"], "--ctx-tier"),
+        (vec!["--beta-mon-low-entropy-bits", "1"], "--beta-monitor"),
+    ]
+    .into_iter()
+    .map(|(extra, expected)| ([&generate[..], &extra].concat(), expected))
+    .chain([
+        (
+            vec![&m, "bench", "--prefix-cache", "4", "--draft-loops", "1"],
+            "'--prefix-cache <N>' cannot be used with '--draft-loops <D>'",
+        ),
+        (
+            vec![&m, "trajectory", "--text", "ab", "--top", "3"],
+            "unexpected argument '--top'",
+        ),
+        (
+            vec![&m, "lens", "--text", "ab", "--top", "3", "--json"],
+            "'--top <K>' cannot be used with '--json'",
+        ),
+        (
+            [&convert[..], &["--calib-bytes", "100"]].concat(),
+            "--calib <FILE>",
+        ),
+        (
+            [&convert[..], &["--window", "64"]].concat(),
+            "--calib <FILE>",
+        ),
+        (
+            [&convert[..], &["--calib", calib]].concat(),
+            "calibrate --method gptq",
+        ),
+        (
+            [
+                &convert[..],
+                &["--method", "gptq", "--bits", "16", "--calib", calib],
+            ]
+            .concat(),
+            "--method gptq quantizes to --bits 4 or 2",
+        ),
+        (
+            [&convert[..], &["--bits", "16", "--group-size", "64"]].concat(),
+            "--group-size applies to --bits 4 and 2",
+        ),
+        (
+            vec![
+                "synth",
+                "--preset",
+                "tiny",
+                "--bits",
+                "16",
+                "--group-size",
+                "64",
+                "--out",
+                "/tmp/x",
+            ],
+            "--group-size applies to --bits 4 and 2",
+        ),
+    ])
+    .collect();
+    for (args, expected) in cases {
+        assert_one_line_error(&tinyloop(&args), &format!("{args:?}"), expected);
+    }
+    // With their companions they run.
+    let sampled = [
+        &generate[..],
+        &[
+            "--temperature",
+            "0.8",
+            "--seed",
+            "3",
+            "--top-k",
+            "5",
+            "--max-tokens",
+            "2",
+            "-q",
+        ],
+    ]
+    .concat();
+    stdout(&tinyloop(&sampled));
+    let drafted = [
+        &generate[..],
+        &[
+            "--loops",
+            "4",
+            "--draft-loops",
+            "1",
+            "--draft-len",
+            "3",
+            "--max-tokens",
+            "2",
+            "-q",
+        ],
+    ]
+    .concat();
+    stdout(&tinyloop(&drafted));
+}
+
+/// Without --max-seq-len a model runs at 2048 tokens or its max_position, whichever is smaller.
+#[test]
+fn max_seq_len_defaults_to_the_model_s_positions() {
+    let short = common::synth_with_max_position(256);
+    let short = short.to_str().unwrap();
+    let long_prompt = "x".repeat(250);
+    // 250 + 6 = 256 tokens fit; one more does not.
+    stdout(&tinyloop(&[
+        short,
+        "generate",
+        "--prompt",
+        &long_prompt,
+        "--max-tokens",
+        "6",
+        "-q",
+    ]));
+    assert_one_line_error(
+        &tinyloop(&[
+            short,
+            "generate",
+            "--prompt",
+            &long_prompt,
+            "--max-tokens",
+            "7",
+            "-q",
+        ]),
+        "one token too many",
+        "prompt of 250 tokens + max_tokens 7 exceeds max_seq_len 256",
+    );
+    let bench = |path: &str| -> serde_json::Value {
+        let args = [
+            path,
+            "bench",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+        ];
+        serde_json::from_str(&stdout(&tinyloop(&args))).unwrap()
+    };
+    assert_eq!(bench(short)["max_seq_len"], 256);
+    assert_eq!(bench(&model())["max_seq_len"], 2048, "max_position 2048");
+    assert_one_line_error(
+        &tinyloop(&[short, "generate", "--prompt", "x", "--max-seq-len", "300"]),
+        "above max_position",
+        "max_seq_len 300 exceeds the model's max_position 256",
+    );
 }

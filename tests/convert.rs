@@ -282,3 +282,62 @@ fn unsupported_group_sizes_and_windows_are_named() {
         "{err}"
     );
 }
+
+/// A group size larger than a tensor's columns is refused (it would be stored smaller than the
+/// metadata says); sizes that fit are recorded as given.
+#[test]
+fn group_sizes_above_a_tensor_s_columns_are_refused_and_metadata_is_truthful() {
+    let (st, cfg) = checkpoint("tiny", None, None);
+    let mut opts = options(st, cfg, 4, Method::Rtn, "g128.tinyloop");
+    opts.group_size = 128;
+    let err = convert(&opts).unwrap_err().to_string();
+    assert!(
+        err.contains("tensor pre.0.attn_qkv: group_size 128 exceeds its 64 columns"),
+        "{err}"
+    );
+    assert!(!opts.out.exists());
+    for (group_size, recorded) in [(32, "int4 g32 rtn"), (0, "int4 per-row rtn")] {
+        opts.group_size = group_size;
+        convert(&opts).unwrap();
+        let model = common::open_cpu(&opts.out);
+        assert_eq!(model.info().metadata["quantization"], recorded);
+        let file = tinyloop::ModelFile::open(&opts.out).unwrap();
+        // The five linears of a block; its norms are vectors.
+        let linears: Vec<_> = file
+            .tensor_entries()
+            .filter(|t| t.name.starts_with("pre.0.") && t.shape.len() == 2)
+            .collect();
+        assert_eq!(linears.len(), 5);
+        for t in linears {
+            let expected = if group_size == 0 {
+                t.shape[1]
+            } else {
+                group_size as u64
+            };
+            assert_eq!(t.group_size, Some(expected), "{}", t.name);
+        }
+    }
+}
+
+/// Window 0 (the default) calibrates in windows of 512 tokens, or of max_position when that is
+/// smaller: a model of 256 positions converts without naming a window.
+#[test]
+fn gptq_default_window_fits_the_model_s_positions() {
+    let (st, _) = checkpoint("tiny", None, None);
+    let config = tinyloop::ModelConfig {
+        max_position: 256,
+        ..preset("tiny").unwrap()
+    };
+    let cfg = common::scratch("convert").join("positions-256.json");
+    std::fs::write(&cfg, serde_json::to_string(&config).unwrap()).unwrap();
+    let mut opts = options(st, cfg, 4, Method::Gptq, "window-default.tinyloop");
+    opts.calibration = common::tokens(600, 256, 2);
+    opts.window = 0;
+    convert(&opts).unwrap();
+    opts.window = 512;
+    let err = convert(&opts).unwrap_err().to_string();
+    assert!(
+        err.contains("calibration window 512 exceeds the model's max_position 256"),
+        "{err}"
+    );
+}

@@ -417,9 +417,12 @@ fn cli_reports_tiers_only_when_asked() {
         ("TINYLOOP_CTX_TIER_VERBOSE", "1"),
         ("TINYLOOP_CTX_TIER_FILE", json.to_str().unwrap()),
     ];
-    let tiered = cli(&gen, &env);
-    assert!(tiered.status.success());
-    let stderr = String::from_utf8_lossy(&tiered.stderr);
+    // The lines are the library's log: printed by a model that logs, silenced by --json and -q
+    // (the model's log option off), which leave the file and the JSON statistics.
+    let text = &gen[..gen.len() - 1];
+    let logged = cli(text, &env);
+    assert!(logged.status.success());
+    let stderr = String::from_utf8_lossy(&logged.stderr);
     for line in [
         "[ctx_tier] enabled: short_t=4 long_t=8 long_bits=INT2",
         "[ctx_tier] transition at observation 4 (seq_len=8): SHORT -> LONG",
@@ -430,6 +433,15 @@ fn cli_reports_tiers_only_when_asked() {
     ] {
         assert!(stderr.contains(line), "missing {line:?} in\n{stderr}");
     }
+    let quiet = cli(&[text, &["-q"]].concat(), &env);
+    assert!(quiet.status.success());
+    assert_eq!(quiet.stdout, logged.stdout, "-q changes no token");
+    assert_eq!(String::from_utf8_lossy(&quiet.stderr), "");
+    std::fs::remove_file(&json).unwrap();
+    let tiered = cli(&gen, &env);
+    assert!(tiered.status.success());
+    let stderr = String::from_utf8_lossy(&tiered.stderr);
+    assert!(!stderr.contains("[ctx_tier]"), "{stderr}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(summary["n_obs"], 6);

@@ -872,6 +872,31 @@ fn model_params_of_an_earlier_header_version_are_accepted() {
     }
 }
 
+/// `tl_model_params.max_seq_len` 0 (the default) opens the model for 2048 tokens, or for its
+/// max_position when that is smaller, and `tl_model_config` reports the value in use.
+#[test]
+fn model_params_max_seq_len_0_is_the_model_s_default() {
+    assert_eq!(model_params().max_seq_len, 0);
+    for (max_position, expected) in [(256, 256), (4096, 2048)] {
+        let model = open(&common::synth_with_max_position(max_position), 0);
+        let mut cfg = std::mem::MaybeUninit::<tl_config>::zeroed();
+        // SAFETY: zeroed is a valid bit pattern for tl_config (NULL pointers, zero numbers).
+        let mut cfg = unsafe { cfg.assume_init_mut() }.to_owned();
+        cfg.struct_size = std::mem::size_of::<tl_config>();
+        // SAFETY: a live model and a config of its struct_size.
+        assert_eq!(
+            unsafe { tl_model_config(model.0, &mut cfg) },
+            tl_status::TL_OK
+        );
+        assert_eq!(
+            (cfg.max_position, cfg.max_seq_len),
+            (max_position as u32, expected),
+            "{}",
+            last_error()
+        );
+    }
+}
+
 /// `tl_model_params.fp16_body` takes -1, 0 or 1 and names itself otherwise; a caller of the
 /// second header version (whose struct ends before it) is not read past its end. On the CPU the
 /// FP16 body cache has no effect, so turning it on opens the model as usual.

@@ -2,8 +2,8 @@
 
 mod common;
 
-use common::{open_cpu, synth_file, tokens};
-use tinyloop::{Error, GenerateParams, Model, ModelOptions, SamplingParams};
+use common::{open_cpu, synth_file, synth_with_max_position, tokens};
+use tinyloop::{Device, Error, GenerateParams, Model, ModelOptions, SamplingParams};
 
 fn greedy(max_tokens: usize, loops: usize) -> GenerateParams {
     GenerateParams {
@@ -361,13 +361,41 @@ fn bad_inputs_are_clear_errors() {
             other => panic!("expected InvalidArgument({expected:?}), got {other:?}"),
         }
     }
-    let err = Model::open(
-        synth_file("tiny", 1, 4),
-        &ModelOptions {
-            max_seq_len: 0,
-            ..common::cpu_options()
-        },
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("max_seq_len must be > 0"), "{err}");
+}
+
+/// `max_seq_len` 0 (the default) opens a model for 2048 tokens, or for its max_position when
+/// that is smaller; an explicit value above max_position stays an error.
+#[test]
+fn max_seq_len_defaults_to_the_model_s_positions() {
+    let options = |max_seq_len| ModelOptions {
+        device: Some(Device::Cpu),
+        log: false,
+        max_seq_len,
+        ..ModelOptions::default()
+    };
+    assert_eq!(ModelOptions::default().max_seq_len, 0);
+    for (max_position, expected) in [(256, 256), (2048, 2048), (4096, 2048)] {
+        let model = Model::open(synth_with_max_position(max_position), &options(0)).unwrap();
+        assert_eq!(
+            model.options().max_seq_len,
+            expected,
+            "max_position {max_position}"
+        );
+        // Exactly that many tokens fit.
+        let mut session = model.new_session().unwrap();
+        let prompt = tokens(expected - 2, 256, 3);
+        assert_eq!(session.generate(&prompt, &greedy(2, 1)).unwrap().len(), 2);
+        let err = session.generate(&prompt, &greedy(3, 1)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("exceeds max_seq_len {expected}")),
+            "{err}"
+        );
+    }
+    let err = Model::open(synth_with_max_position(256), &options(257)).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("max_seq_len 257 exceeds the model's max_position 256"),
+        "{err}"
+    );
 }

@@ -8,7 +8,7 @@
 Model (default, "shakespeare-demo"): vocab 256 (raw bytes), D 384, 6 heads (MHA), F 1536,
 2 pre blocks + 1 loop block + 0 post blocks, RMSNorm eps 1e-5, RoPE theta 10000 rotating the pairs
 (x[i], x[i + head_dim/2]), fused QKV rows Q|K|V, SwiGLU, untied head, default_loops 6,
-max_position 1024. Training context 512.
+max_position 2048. Training context 512.
 
 Training: AdamW (betas 0.9/0.95, wd 0.1 on linear weights), bf16 autocast on CUDA, linear warmup
 then cosine decay over the wall-clock budget (--minutes counts from the start of the first step,
@@ -60,7 +60,7 @@ LOOP_WEIGHTS = [1, 1, 1, 2, 2, 2, 2, 2]
 def make_config(tiny):
     cfg = dict(dim=384, n_heads=6, n_kv_heads=6, ffn_dim=1536, vocab_size=256, embed_factor_dim=0,
                n_pre_blocks=2, n_loop_blocks=1, n_post_blocks=0, default_loops=6, norm="rmsnorm",
-               norm_eps=1e-5, rope_theta=10000.0, max_position=1024, head="untied")
+               norm_eps=1e-5, rope_theta=10000.0, max_position=2048, head="untied")
     if tiny:
         cfg.update(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=256, max_position=256)
     assert list(cfg) == CONFIG_KEYS

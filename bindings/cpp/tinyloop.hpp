@@ -164,6 +164,8 @@ struct SpeculativeOptions {
 
 /// Options of Model's constructor; the default constructor takes the library's defaults.
 struct ModelOptions {
+    /// Upper bound on prompt + generated tokens; 0 (the default): 2048, or the model's
+    /// max_position when that is smaller.
     uint32_t max_seq_len;
     uint32_t prefill_chunk;
     uint32_t max_loops;

@@ -74,7 +74,7 @@ func checkABI() error {
 
 // Options configure Open. Start from DefaultOptions(); Open(path, nil) uses the defaults.
 type Options struct {
-	MaxSeqLen    int    // upper bound on prompt + generated tokens; > 0
+	MaxSeqLen    int    // upper bound on prompt + generated tokens; 0: 2048, or MaxPosition if smaller
 	PrefillChunk int    // > 0: chunked prefill and a cap on score lengths; 0: off
 	Device       string // "auto", "cpu", "cuda", "cuda:N"; "" uses TINYLOOP_DEVICE or auto
 	MaxLoops     int    // the largest loops a call may ask for; > 0

@@ -104,9 +104,9 @@ func TestOpenFailures(t *testing.T) {
 		t.Errorf("errors.Is(err, ErrFormat) is false for %v", err)
 	}
 	opts := DefaultOptions()
-	opts.MaxSeqLen = 0
+	opts.MaxSeqLen = 1 << 20
 	_, err = Open(modelPath, &opts)
-	wantStatus(t, err, StatusInvalidArgument, "MaxSeqLen 0")
+	wantStatus(t, err, StatusInvalidArgument, "MaxSeqLen above MaxPosition")
 	opts = DefaultOptions()
 	opts.Device = "tpu"
 	_, err = Open(modelPath, &opts)
@@ -117,6 +117,32 @@ func TestOpenFailures(t *testing.T) {
 	wantStatus(t, err, StatusInvalidArgument, "kv mode int3")
 	if !strings.Contains(err.Error(), "fp16, fp16-h, int8-h, int4-h, int8, delta, age") {
 		t.Errorf("message does not list the modes: %v", err)
+	}
+}
+
+// MaxSeqLen 0, the default, opens a model for 2048 tokens or its MaxPosition when smaller.
+func TestDefaultMaxSeqLenIsTheModels(t *testing.T) {
+	opts := DefaultOptions()
+	if opts.MaxSeqLen != 0 {
+		t.Fatalf("DefaultOptions().MaxSeqLen = %d, want 0 (the model's default)", opts.MaxSeqLen)
+	}
+	opts.Device = "cpu"
+	opts.Log = false
+	m, err := Open(modelPath, &opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	cfg, err := m.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := 2048
+	if cfg.MaxPosition < want {
+		want = cfg.MaxPosition
+	}
+	if cfg.MaxSeqLen != want {
+		t.Errorf("MaxSeqLen %d, want min(2048, MaxPosition %d) = %d", cfg.MaxSeqLen, cfg.MaxPosition, want)
 	}
 }
 

@@ -1,10 +1,11 @@
 """Build the wheel with libtinyloop inside.
 
 The metadata is in pyproject.toml. Building the package also builds the library: `cargo build
---release` in the TinyLoop checkout this folder belongs to (a no-op when target/release is
-fresh), then libtinyloop.so and the CUDA kernels precompiled for sm_80 and sm_90
-(scripts/ship-kernels; TINYLOOP_SHIP_KERNELS=0 leaves them out) are copied into the package. The
-wheel is tagged for this platform but any Python 3: the binding is plain ctypes.
+--release` in the TinyLoop checkout this folder belongs to (a no-op when target/release, or
+CARGO_TARGET_DIR, is fresh), then libtinyloop.so is copied into the package, with the CUDA kernels
+precompiled for sm_80 and sm_90 when scripts/ship-kernels ships them (TINYLOOP_SHIP_KERNELS=1,
+or an NVIDIA driver on this machine). `pip install -v` shows the build's progress. The wheel is
+tagged for this platform but any Python 3: the binding is plain ctypes.
 """
 
 import os
@@ -50,9 +51,8 @@ class build_py_with_library(build_py):
         shutil.copy2(release / LIBRARY, package / LIBRARY)
         kernels = package / "tinyloop" / "kernels"
         shutil.rmtree(kernels, ignore_errors=True)
-        if os.environ.get("TINYLOOP_SHIP_KERNELS", "1") != "0":
-            env = dict(os.environ, TINYLOOP_BIN=str(release / "tinyloop"), PYTHON=sys.executable)
-            run([str(ROOT / "scripts" / "ship-kernels"), str(kernels)], env=env)
+        env = dict(os.environ, TINYLOOP_BIN=str(release / "tinyloop"), PYTHON=sys.executable)
+        run([str(ROOT / "scripts" / "ship-kernels"), str(kernels)], env=env)
 
 
 class NativeDistribution(Distribution):

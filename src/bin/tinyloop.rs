@@ -17,7 +17,7 @@ use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
     BetaMonEnv, BetaMonitor, CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats,
-    KvMode, Model, ModelOptions, Result, SamplingParams, Speculation,
+    KvMode, Model, ModelOptions, Result, SamplingParams, Speculation, DEFAULT_MAX_SEQ_LEN,
 };
 
 #[derive(Parser)]
@@ -25,12 +25,13 @@ use tinyloop::{
     name = "tinyloop",
     version,
     about = "Run looped transformers stored as .tinyloop files",
-    override_usage = "tinyloop MODEL <info|generate|score|bench|requantize> [OPTIONS]\n       \
+    override_usage = "tinyloop MODEL \
+                      <info|generate|score|bench|lens|trajectory|requantize> [OPTIONS]\n       \
                       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
                       tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
                       tinyloop help [COMMAND]",
     after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, score, \
-                  bench, synth, convert)."
+                  bench, lens, trajectory, requantize, synth, convert)."
 )]
 struct ModelCli {
     /// Path to a .tinyloop file.
@@ -43,6 +44,7 @@ struct ModelCli {
 enum ModelCommand {
     /// Print the architecture and tensor statistics.
     Info {
+        /// Print machine-readable JSON.
         #[arg(long)]
         json: bool,
     },
@@ -55,7 +57,7 @@ enum ModelCommand {
     /// The logit lens: the next-token distribution read out after each loop iteration.
     Lens(LensArgs),
     /// How the last position moves through the loop iterations (norm, change, KL, entropy).
-    Trajectory(LensArgs),
+    Trajectory(InputArgs),
     /// Write a copy whose loop-block linears are re-quantized (round-to-nearest of the
     /// dequantized weights at the same group size); every other tensor is copied unchanged.
     Requantize {
@@ -76,9 +78,10 @@ struct CommonArgs {
     /// Loop iterations (default: the model's default_loops).
     #[arg(long)]
     loops: Option<usize>,
-    /// Upper bound on prompt + generated tokens.
-    #[arg(long, default_value_t = 2048)]
-    max_seq_len: usize,
+    /// Upper bound on prompt + generated tokens, at most the model's max_position (default:
+    /// 2048, or max_position when that is smaller).
+    #[arg(long, value_name = "N")]
+    max_seq_len: Option<usize>,
     /// KV cache mode: fp16, fp16-h, int8-h, int4-h, int8, delta, age or age:A:B (default:
     /// TINYLOOP_KV_INT8=1 → int8, TINYLOOP_KV_DELTA=1 → delta, else fp16).
     #[arg(long = "kv", value_name = "MODE")]
@@ -90,7 +93,8 @@ struct CommonArgs {
     /// Print machine-readable JSON.
     #[arg(long)]
     json: bool,
-    /// Silence the load log.
+    /// Silence the library's stderr lines: the load log and the CTX-TIER and BETA-MON lines
+    /// (--json does too).
     #[arg(long, short)]
     quiet: bool,
     /// Keep an FP16 copy of the transformer blocks' weights on the GPU for prefill GEMMs through
@@ -109,7 +113,8 @@ struct GenerateArgs {
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
-    #[arg(long, default_value_t = 128)]
+    /// Tokens to generate after the prompt.
+    #[arg(long, value_name = "N", default_value_t = 128)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -128,8 +133,12 @@ struct CtxTierArgs {
     /// INT4 below --ctx-tier-short-t (defaults: TINYLOOP_CTX_TIER_* or 512 / 2048).
     #[arg(long)]
     ctx_tier: bool,
+    /// Back to INT4 on a call whose first step leaves the sequence shorter than N tokens
+    /// (default: TINYLOOP_CTX_TIER_SHORT_T, else 512).
     #[arg(long, value_name = "N", requires = "ctx_tier")]
     ctx_tier_short_t: Option<usize>,
+    /// To INT2 once the sequence reaches N tokens (default: TINYLOOP_CTX_TIER_LONG_T, else
+    /// 2048).
     #[arg(long, value_name = "N", requires = "ctx_tier")]
     ctx_tier_long_t: Option<usize>,
     /// Bits of the loop body at LONG (only 2).
@@ -208,12 +217,12 @@ struct SpeculationArgs {
     /// Draft tokens at this many loop iterations (below --loops) and verify them in one step.
     #[arg(long, value_name = "D")]
     draft_loops: Option<usize>,
-    /// Tokens drafted per verify step.
-    #[arg(long, value_name = "K", default_value_t = 4)]
+    /// Tokens drafted per verify step (with --draft-loops).
+    #[arg(long, value_name = "K", default_value_t = 4, requires = "draft_loops")]
     draft_len: usize,
     /// Verify by recomputing every block application (the baseline) instead of continuing from
-    /// the draft's KV and hidden state.
-    #[arg(long)]
+    /// the draft's KV and hidden state (with --draft-loops).
+    #[arg(long, requires = "draft_loops")]
     no_draft_reuse: bool,
 }
 
@@ -227,8 +236,9 @@ impl SpeculationArgs {
     }
 }
 
+/// The input of `lens` and `trajectory`.
 #[derive(Args)]
-struct LensArgs {
+struct InputArgs {
     #[command(flatten)]
     common: CommonArgs,
     /// Text (byte-level models only).
@@ -237,34 +247,54 @@ struct LensArgs {
     /// Token ids, comma-separated.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
-    /// Most likely tokens shown per iteration (`lens`, without --json).
-    #[arg(long, default_value_t = 5)]
+}
+
+#[derive(Args)]
+struct LensArgs {
+    #[command(flatten)]
+    input: InputArgs,
+    /// Most likely tokens shown per iteration (the --json output has every logit).
+    #[arg(long, value_name = "K", default_value_t = 5, conflicts_with = "json")]
     top: usize,
 }
 
 /// How tokens are chosen (docs/ABI.md "Sampling").
 #[derive(Args)]
 struct SamplingArgs {
-    /// 0 is greedy.
+    /// Sampling temperature; 0 is greedy (the most likely token, no randomness).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
-    /// 0 keeps every token.
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sample among the K most likely tokens (default 0: every token; with --temperature).
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities reach P, in (0, 1] (default 1:
+    /// every token; with --temperature).
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Seed of the sampler (default 0; with --temperature).
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
 }
 
 impl SamplingArgs {
-    fn params(&self) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            seed: self.seed,
+    /// The sampling the flags ask for; --top-k, --top-p and --seed are errors when decoding is
+    /// greedy, where they would change nothing.
+    fn params(&self) -> Result<SamplingParams> {
+        let tuned = self.top_k.is_some() || self.top_p.is_some() || self.seed.is_some();
+        if self.temperature == 0.0 && tuned {
+            return Err(Error::InvalidArgument(
+                "--top-k, --top-p and --seed shape sampling: pass --temperature > 0 with them \
+                 (temperature 0 is greedy)"
+                    .into(),
+            ));
         }
+        let greedy = SamplingParams::default();
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k.unwrap_or(greedy.top_k),
+            top_p: self.top_p.unwrap_or(greedy.top_p),
+            seed: self.seed.unwrap_or(greedy.seed),
+        })
     }
 }
 
@@ -287,10 +317,10 @@ struct ScoreArgs {
     )]
     tokens: Option<Vec<i64>>,
     /// Tokens per scored window; long inputs are split into independent windows.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, value_name = "N", default_value_t = 512)]
     window: usize,
     /// Score only the first N tokens of the input.
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     limit: Option<usize>,
     /// Also report the NLL per range of positions inside the window: edges `128,256` give
     /// [0, 128), [128, 256) and, for longer windows, [256, window).
@@ -308,12 +338,14 @@ struct ScoreArgs {
 struct BenchArgs {
     #[command(flatten)]
     common: CommonArgs,
-    #[arg(long, default_value_t = 128)]
+    /// Tokens of the (fixed pseudo-random) prompt.
+    #[arg(long, value_name = "N", default_value_t = 128)]
     prompt_len: usize,
-    #[arg(long, default_value_t = 64)]
+    /// Tokens generated per run (at least 2: decode time is measured between tokens).
+    #[arg(long, value_name = "N", default_value_t = 64)]
     gen_len: usize,
     /// Timed repetitions; medians are reported.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, value_name = "N", default_value_t = 5)]
     repeats: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -322,7 +354,7 @@ struct BenchArgs {
     #[command(flatten)]
     beta_mon: BetaMonArgs,
     /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
-    #[arg(long, value_name = "N", conflicts_with = "resume_from")]
+    #[arg(long, value_name = "N", conflicts_with_all = ["resume_from", "draft_loops"])]
     prefix_cache: Option<usize>,
     /// Run the prompt once at L loops into a resume handle and time resuming it at --loops.
     #[arg(long, value_name = "L", conflicts_with = "draft_loops")]
@@ -348,14 +380,17 @@ enum ToolCommand {
         /// One of: tiny, small, tl-407m, tiny-gqa, tiny-tied.
         #[arg(long)]
         preset: String,
+        /// Seed of the random weights; the same seed writes the same file.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Bit width of block weights: 4, 2 or 16.
         #[arg(long, default_value_t = 4)]
         bits: u32,
-        /// Quantization group size; 0 means one group per row.
-        #[arg(long, default_value_t = 128)]
-        group_size: usize,
+        /// Quantization group size of 4 and 2 bits (default 128, or a tensor's columns when it
+        /// has fewer); 0 means one group per row.
+        #[arg(long, value_name = "G")]
+        group_size: Option<usize>,
+        /// Where to write the model.
         #[arg(long)]
         out: PathBuf,
     },
@@ -382,29 +417,32 @@ struct ConvertArgs {
     /// JSON file holding the `config` object of docs/FORMAT.md.
     #[arg(long)]
     config: PathBuf,
+    /// Where to write the .tinyloop file.
     #[arg(long)]
     out: PathBuf,
     /// Bit width of block weights: 16, 4 or 2.
     #[arg(long, default_value_t = 4)]
     bits: u32,
-    /// Quantization group size; 0 means one group per row.
-    #[arg(long, default_value_t = 128)]
-    group_size: usize,
-    /// rtn (round to nearest) or gptq.
+    /// Quantization group size of 4 and 2 bits (default 128); it must divide every block
+    /// linear's columns. 0 means one group per row.
+    #[arg(long, value_name = "G")]
+    group_size: Option<usize>,
+    /// rtn (round to nearest) or gptq (needs --calib; 4 and 2 bits).
     #[arg(long, default_value = "rtn")]
     method: String,
     /// Calibration text for GPTQ (byte-level models).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     calib: Option<PathBuf>,
-    /// Use at most this many bytes of the calibration text.
-    #[arg(long, default_value_t = 32768)]
+    /// Use at most this many bytes of the calibration text (with --calib).
+    #[arg(long, value_name = "N", default_value_t = 32768, requires = "calib")]
     calib_bytes: usize,
-    /// Loop iterations while calibrating (default: the config's default_loops).
-    #[arg(long)]
+    /// Loop iterations while calibrating (default: the config's default_loops; with --calib).
+    #[arg(long, value_name = "L", requires = "calib")]
     calib_loops: Option<usize>,
-    /// Tokens per calibration window.
-    #[arg(long, default_value_t = 512)]
-    window: usize,
+    /// Tokens per calibration window (default: 512, or the config's max_position when that is
+    /// smaller; with --calib).
+    #[arg(long, value_name = "N", requires = "calib")]
+    window: Option<usize>,
     /// Tokenizer name stored in the metadata (default: "bytes" for vocab 256).
     #[arg(long)]
     tokenizer: Option<String>,
@@ -517,9 +555,21 @@ fn help(command: Option<&OsStr>) -> Result<()> {
         (Some(c), _) => print_help(c.bin_name(format!("tinyloop MODEL {name}"))),
         (None, Some(c)) => print_help(c.bin_name(format!("tinyloop {name}"))),
         (None, None) => Err(Error::InvalidArgument(format!(
-            "unknown command {name:?} (expected info, generate, score, bench, synth or convert)"
+            "unknown command {name:?} (expected {})",
+            command_names().join(", ")
         ))),
     }
+}
+
+/// Every command a user can run, in the order `help` lists them.
+fn command_names() -> Vec<String> {
+    let (model, tool) = (ModelCli::command(), ToolCli::command());
+    model
+        .get_subcommands()
+        .chain(tool.get_subcommands())
+        .filter(|c| !c.is_hide_set())
+        .map(|c| c.get_name().to_string())
+        .collect()
 }
 
 fn print_help(mut command: clap::Command) -> Result<()> {
@@ -536,6 +586,7 @@ fn run_tool(cli: ToolCli) -> Result<()> {
             group_size,
             out,
         } => {
+            let group_size = quantization_groups(bits, group_size)?;
             let config = synth::preset(&preset)?;
             synth::random_model(&config, seed, bits, group_size)?.write(&out)?;
             eprintln!(
@@ -555,6 +606,18 @@ fn run_tool(cli: ToolCli) -> Result<()> {
     }
 }
 
+/// Group size of block weights quantized to 4 or 2 bits (`--group-size`, else 128). 16-bit
+/// weights have no groups, so `--group-size` with them is an error.
+fn quantization_groups(bits: u32, group_size: Option<usize>) -> Result<usize> {
+    const DEFAULT_GROUP_SIZE: usize = 128;
+    if bits == 16 && group_size.is_some() {
+        return Err(Error::InvalidArgument(
+            "--group-size applies to --bits 4 and 2 (16-bit weights have no groups)".into(),
+        ));
+    }
+    Ok(group_size.unwrap_or(DEFAULT_GROUP_SIZE))
+}
+
 fn convert(args: ConvertArgs) -> Result<()> {
     use tinyloop::convert::{ConvertOptions, Method};
     let method = match args.method.as_str() {
@@ -566,6 +629,17 @@ fn convert(args: ConvertArgs) -> Result<()> {
             )))
         }
     };
+    if method == Method::Gptq && args.bits == 16 {
+        return Err(Error::InvalidArgument(
+            "--method gptq quantizes to --bits 4 or 2, not 16".into(),
+        ));
+    }
+    if method != Method::Gptq && args.calib.is_some() {
+        return Err(Error::InvalidArgument(
+            "--calib (and --calib-bytes, --calib-loops, --window) calibrate --method gptq".into(),
+        ));
+    }
+    let group_size = quantization_groups(args.bits, args.group_size)?;
     let calibration = match &args.calib {
         Some(path) => {
             let io = |e| Error::Io {
@@ -594,11 +668,11 @@ fn convert(args: ConvertArgs) -> Result<()> {
         config: args.config,
         out: args.out.clone(),
         bits: args.bits,
-        group_size: args.group_size,
+        group_size,
         method,
         calibration,
         calibration_loops: args.calib_loops,
-        window: args.window,
+        window: args.window.unwrap_or(0),
         metadata,
         progress: std::io::stderr().is_terminal(),
     };
@@ -613,8 +687,8 @@ fn run_model(cli: ModelCli) -> Result<()> {
         ModelCommand::Generate(args) => generate(&cli.model, args),
         ModelCommand::Score(args) => score(&cli.model, args),
         ModelCommand::Bench(args) => bench(&cli.model, args),
-        ModelCommand::Lens(args) => lens(&cli.model, args, false),
-        ModelCommand::Trajectory(args) => lens(&cli.model, args, true),
+        ModelCommand::Lens(args) => lens(&cli.model, args),
+        ModelCommand::Trajectory(args) => trajectory(&cli.model, args),
         ModelCommand::Requantize {
             loop_body_bits,
             out,
@@ -631,7 +705,8 @@ fn run_model(cli: ModelCli) -> Result<()> {
 
 fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
     let options = ModelOptions {
-        max_seq_len: common.max_seq_len,
+        // 0: the model's default.
+        max_seq_len: common.max_seq_len.unwrap_or(0),
         prefill_chunk: common.prefill_chunk,
         device: common.device,
         kv_mode: common.kv,
@@ -731,19 +806,22 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
 }
 
 fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
-    let model = open(path, &args.common)?;
-    let prompt = match (&args.prompt, &args.tokens) {
-        (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
-        (None, Some(ids)) => parse_tokens(ids)?,
-        (None, None) => unreachable!("clap requires --prompt or --tokens"),
-    };
+    // Everything is checked before anything is printed: the flags here, the prompt and the
+    // request by the library before the first token, with which the prompt is echoed.
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         loops: args.common.loops,
-        sampling: args.sampling.params(),
+        sampling: args.sampling.params()?,
         stop_tokens: Vec::new(),
         ctx_tier: args.ctx_tier.policy()?,
         beta_monitor: args.beta_mon.monitor(),
+    };
+    let prompt_ids = args.tokens.as_deref().map(parse_tokens).transpose()?;
+    let model = open(path, &args.common)?;
+    let prompt = match (&args.prompt, prompt_ids) {
+        (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
+        (None, Some(ids)) => ids,
+        (None, None) => unreachable!("clap requires --prompt or --tokens"),
     };
     let mut session = model.new_session()?;
     let speculation = args.speculation.speculation();
@@ -758,7 +836,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         let tokens = run(&mut session, &mut |_| true)?;
         let text = byte_level.then(|| decode_bytes(&tokens));
         let stats = stats_json(&session.last_generate_stats(), speculation.is_some());
-        print_beta_mon(&session.last_generate_stats());
+        print_beta_mon(&model, &session.last_generate_stats());
         println!(
             "{}",
             json!({"tokens": tokens, "text": text, "stats": stats})
@@ -766,12 +844,13 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let mut stdout = std::io::stdout().lock();
-    if byte_level {
-        stdout.write_all(&decode_bytes(&prompt).into_bytes()).ok();
-    }
+    let mut echo = byte_level.then(|| decode_bytes(&prompt));
     // Bytes of a multi-byte character arrive one token at a time; print whole characters.
     let mut pending = Vec::new();
     let tokens = run(&mut session, &mut |t| {
+        if let Some(prompt) = echo.take() {
+            stdout.write_all(prompt.as_bytes()).ok();
+        }
         if byte_level {
             pending.push(t as u8);
             if std::str::from_utf8(&pending).is_ok() || pending.len() >= 4 {
@@ -790,7 +869,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         .write_all(String::from_utf8_lossy(&pending).as_bytes())
         .ok();
     writeln!(stdout).ok();
-    print_beta_mon(&session.last_generate_stats());
+    print_beta_mon(&model, &session.last_generate_stats());
     if !args.common.quiet {
         let stats = session.last_generate_stats();
         eprint!("[tinyloop] generated {} tokens", tokens.len());
@@ -808,10 +887,10 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-/// BETA-MON's summary line (and agreement warning) of a call monitored because of
-/// `--beta-monitor`, unless `TINYLOOP_BETA_MONITOR=1` made the library print it already.
-fn print_beta_mon(stats: &GenerateStats) {
-    let printed = BetaMonEnv::from_env().is_ok_and(|env| env.enabled);
+/// BETA-MON's summary line (and agreement warning) of a monitored call, unless the library
+/// printed it already (`TINYLOOP_BETA_MONITOR=1` on a model that logs).
+fn print_beta_mon(model: &Model, stats: &GenerateStats) {
+    let printed = model.options().log && BetaMonEnv::from_env().is_ok_and(|env| env.enabled);
     if let Some(summary) = stats.beta_mon.filter(|_| !printed) {
         eprintln!("{}", summary.line());
         if let Some(warning) = summary.agreement_warning() {
@@ -858,54 +937,67 @@ fn ctx_tier_json(t: &CtxTierStats) -> serde_json::Value {
     })
 }
 
-/// `lens` (`trajectory` false) or `trajectory`.
-fn lens(path: &PathBuf, args: LensArgs, trajectory: bool) -> Result<()> {
+/// The model, the tokens and the loop count of `lens` and `trajectory`.
+fn lens_input(path: &PathBuf, args: &InputArgs) -> Result<(Model, Vec<u32>, usize)> {
+    let ids = args.tokens.as_deref().map(parse_tokens).transpose()?;
     let model = open(path, &args.common)?;
-    let tokens = match (&args.text, &args.tokens) {
+    let tokens = match (&args.text, ids) {
         (Some(text), _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
-        (None, Some(ids)) => parse_tokens(ids)?,
+        (None, Some(ids)) => ids,
         (None, None) => unreachable!("clap requires --text or --tokens"),
     };
     let loops = args.common.loops.unwrap_or(model.config().default_loops);
-    let mut session = model.new_session()?;
-    let byte_level = is_byte_level(&model);
-    let name = |t: u32| {
-        if byte_level {
-            format!("{:?}", (t as u8) as char)
-        } else {
-            t.to_string()
-        }
-    };
-    if trajectory {
-        let points = session.score_trajectory(&tokens, Some(loops))?;
-        if args.common.json {
-            let rows: Vec<_> = points
-                .iter()
-                .map(|p| {
-                    json!({"hidden_norm": p.hidden_norm, "rel_change": p.rel_change,
-                           "kl_prev": p.kl_prev, "entropy": p.entropy, "argmax": p.argmax})
-                })
-                .collect();
-            println!("{}", json!({"loops": loops, "trajectory": rows}));
-            return Ok(());
-        }
-        println!("iteration  hidden_norm  rel_change    kl_prev  entropy_bits  argmax");
-        for (i, p) in points.iter().enumerate() {
-            println!(
-                "{:>9}  {:>11.4}  {:>10.4}  {:>9.5}  {:>12.4}  {}",
-                i + 1,
-                p.hidden_norm,
-                p.rel_change,
-                p.kl_prev,
-                p.entropy,
-                name(p.argmax)
-            );
-        }
+    Ok((model, tokens, loops))
+}
+
+/// A token as `lens` and `trajectory` print it: the quoted character of a byte-level model,
+/// else the id.
+fn token_name(model: &Model, token: u32) -> String {
+    if is_byte_level(model) {
+        format!("{:?}", (token as u8) as char)
+    } else {
+        token.to_string()
+    }
+}
+
+fn trajectory(path: &PathBuf, args: InputArgs) -> Result<()> {
+    let (model, tokens, loops) = lens_input(path, &args)?;
+    let points = model
+        .new_session()?
+        .score_trajectory(&tokens, Some(loops))?;
+    if args.common.json {
+        let rows: Vec<_> = points
+            .iter()
+            .map(|p| {
+                json!({"hidden_norm": p.hidden_norm, "rel_change": p.rel_change,
+                       "kl_prev": p.kl_prev, "entropy": p.entropy, "argmax": p.argmax})
+            })
+            .collect();
+        println!("{}", json!({"loops": loops, "trajectory": rows}));
         return Ok(());
     }
-    let logits = session.score_logit_lens(&tokens, Some(loops))?;
+    println!("iteration  hidden_norm  rel_change    kl_prev  entropy_bits  argmax");
+    for (i, p) in points.iter().enumerate() {
+        println!(
+            "{:>9}  {:>11.4}  {:>10.4}  {:>9.5}  {:>12.4}  {}",
+            i + 1,
+            p.hidden_norm,
+            p.rel_change,
+            p.kl_prev,
+            p.entropy,
+            token_name(&model, p.argmax)
+        );
+    }
+    Ok(())
+}
+
+fn lens(path: &PathBuf, args: LensArgs) -> Result<()> {
+    let (model, tokens, loops) = lens_input(path, &args.input)?;
+    let logits = model
+        .new_session()?
+        .score_logit_lens(&tokens, Some(loops))?;
     let vocab = model.config().vocab_size;
-    if args.common.json {
+    if args.input.common.json {
         let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
         println!(
             "{}",
@@ -923,7 +1015,7 @@ fn lens(path: &PathBuf, args: LensArgs, trajectory: bool) -> Result<()> {
             .take(args.top)
             .map(|&t| {
                 let p = (row[t] as f64 - max).exp() / total;
-                format!("{} {:.3}", name(t as u32), p)
+                format!("{} {:.3}", token_name(&model, t as u32), p)
             })
             .collect();
         println!("iteration {:>2}: {}", i + 1, top.join("  "));
@@ -937,6 +1029,10 @@ fn decode_bytes(tokens: &[u32]) -> String {
 }
 
 fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
+    if args.window < 2 {
+        return Err(Error::InvalidArgument("--window must be >= 2".into()));
+    }
+    let policy = args.ctx_tier.policy()?;
     let model = open(path, &args.common)?;
     let tokens = match (&args.text, &args.file, &args.tokens) {
         (Some(text), _, _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
@@ -955,10 +1051,6 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
         }
     };
     let tokens = &tokens[..args.limit.unwrap_or(tokens.len()).min(tokens.len())];
-    if args.window < 2 {
-        return Err(Error::InvalidArgument("--window must be >= 2".into()));
-    }
-    let policy = args.ctx_tier.policy()?;
     let chunk = args.common.prefill_chunk;
     // Windows run in steps of --prefill-chunk tokens when that is shorter, and under a tier
     // policy always step by step (the tier is observed before each step).
@@ -1076,8 +1168,24 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
             "--prompt-len must be >= 1, --gen-len >= 2 and --repeats >= 1".into(),
         ));
     }
+    let params = GenerateParams {
+        max_tokens: args.gen_len,
+        loops: args.common.loops,
+        sampling: args.sampling.params()?,
+        ctx_tier: args.ctx_tier.policy()?,
+        beta_monitor: args.beta_mon.monitor(),
+        ..GenerateParams::default()
+    };
+    // Room for the prompt and the generated tokens: --max-seq-len, else the model's default (0),
+    // unless the run needs more.
+    let needed = args.prompt_len.saturating_add(args.gen_len);
+    let max_seq_len = match args.common.max_seq_len {
+        Some(n) if n > 0 => n.max(needed),
+        _ if needed <= DEFAULT_MAX_SEQ_LEN => 0,
+        _ => needed,
+    };
     let common = CommonArgs {
-        max_seq_len: (args.common.max_seq_len).max(args.prompt_len.saturating_add(args.gen_len)),
+        max_seq_len: Some(max_seq_len),
         ..args.common
     };
     let start = Instant::now();
@@ -1089,14 +1197,6 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab)
         .collect();
     let mut session = model.new_session()?;
-    let params = GenerateParams {
-        max_tokens: args.gen_len,
-        loops: common.loops,
-        sampling: args.sampling.params(),
-        ctx_tier: args.ctx_tier.policy()?,
-        beta_monitor: args.beta_mon.monitor(),
-        ..GenerateParams::default()
-    };
     let speculation = args.speculation.speculation();
     // Handles are built once, outside the timed runs.
     let prefix = match args.prefix_cache {
@@ -1194,7 +1294,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "weight_mb": model.weight_bytes() as f64 / 1e6,
         "kv_mode": session.kv_mode().to_string(),
         "kv_mb": session.kv_bytes() as f64 / 1e6,
-        "max_seq_len": common.max_seq_len,
+        "max_seq_len": model.options().max_seq_len,
         "prefill_chunk": common.prefill_chunk,
         "kernels": model.info().kernels,
         "kernel_ms": model.info().kernel_ms,
@@ -1227,7 +1327,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
             1e3 / decode_ms,
             model.memory_bytes() as f64 / 1e6,
             session.kv_bytes() as f64 / 1e6,
-            common.max_seq_len,
+            model.options().max_seq_len,
         );
         println!(
             "  prefill compute {:>10.1} TFLOP/s ({:.1} ms)",

@@ -27,6 +27,10 @@ use crate::model::quant::{group_size_for, quantize_rtn, LinearData, QuantizedMat
 use crate::model::weights::Weights;
 use capture::CaptureBackend;
 
+/// Tokens per GPTQ calibration window when [`ConvertOptions::window`] is 0 (and the model's
+/// positions allow it).
+pub const DEFAULT_CALIBRATION_WINDOW: usize = 512;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Method {
     /// Round to nearest, group by group.
@@ -42,14 +46,16 @@ pub struct ConvertOptions {
     pub out: PathBuf,
     /// 16, 4 or 2: the encoding of the five block linears. Everything else stays f16.
     pub bits: u32,
-    /// 0 means one group per row.
+    /// Quantization group size; it must divide the columns of every block linear (a size above a
+    /// tensor's columns is an error, not clamped). 0 means one group per row.
     pub group_size: usize,
     pub method: Method,
     /// Token ids GPTQ calibrates on (required for GPTQ).
     pub calibration: Vec<u32>,
     /// Loop iterations used while calibrating (default: the config's `default_loops`).
     pub calibration_loops: Option<usize>,
-    /// Tokens per calibration window.
+    /// Tokens per calibration window; 0 means [`DEFAULT_CALIBRATION_WINDOW`], or the config's
+    /// `max_position` when that is smaller.
     pub window: usize,
     /// Free-form metadata copied into the file (for example `tokenizer`).
     pub metadata: serde_json::Map<String, serde_json::Value>,
@@ -68,6 +74,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     let specs = expected_tensors(&config);
     if dtype.is_quantized() {
         for spec in specs.iter().filter(|s| s.is_block_linear()) {
+            check_group_fits(&spec.name, spec.shape[1] as usize, opts.group_size)?;
             group_size_for(&spec.name, dtype, spec.shape[1] as usize, opts.group_size)?;
         }
     }
@@ -84,10 +91,15 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     for (key, value) in &opts.metadata {
         writer.set_metadata(key, value.clone());
     }
+    // Every block linear has the group size asked for (check_group_fits), or one group per row.
+    let groups = match opts.group_size {
+        0 => "per-row".to_string(),
+        g => format!("g{g}"),
+    };
     let method = match (opts.method, dtype.is_quantized()) {
         (_, false) => "f16".to_string(),
-        (Method::Rtn, true) => format!("{} g{} rtn", dtype.name(), opts.group_size),
-        (Method::Gptq, true) => format!("{} g{} gptq", dtype.name(), opts.group_size),
+        (Method::Rtn, true) => format!("{} {groups} rtn", dtype.name()),
+        (Method::Gptq, true) => format!("{} {groups} gptq", dtype.name()),
     };
     writer.set_metadata("quantization", serde_json::json!(method));
     let mut progress = Progress::new(opts.progress, specs.len(), "convert");
@@ -155,6 +167,18 @@ fn best_of_gptq_and_rtn(
         eprintln!("\n[gptq] {name}: round-to-nearest has the lower output error ({e_rtn:.3e} < {e_gptq:.3e}); keeping it");
     }
     Ok(rtn)
+}
+
+/// A group of `group_size` columns must fit in the tensor's `cols`: the file would otherwise hold
+/// a smaller group than the one asked for (and recorded in the metadata).
+fn check_group_fits(name: &str, cols: usize, group_size: usize) -> Result<()> {
+    if group_size > cols {
+        return Err(Error::invalid(format!(
+            "tensor {name}: group_size {group_size} exceeds its {cols} columns (use a group size \
+             that divides {cols}, or 0 for one group per row)"
+        )));
+    }
+    Ok(())
 }
 
 fn read_config(path: &Path) -> Result<ModelConfig> {
@@ -266,7 +290,11 @@ fn calibrate(
             config.vocab_size
         )));
     }
-    let window = opts.window.max(2);
+    let window = match opts.window {
+        0 => DEFAULT_CALIBRATION_WINDOW.min(config.max_position),
+        n => n,
+    }
+    .max(2);
     if window > config.max_position {
         return Err(Error::invalid(format!(
             "calibration window {window} exceeds the model's max_position {}",

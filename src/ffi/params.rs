@@ -20,7 +20,9 @@ pub struct tl_model_params {
     /// defaults); other smaller values are rejected (`TL_ERR_INVALID_ARGUMENT`); larger values
     /// are accepted and the extra bytes ignored.
     pub struct_size: usize,
-    /// Upper bound on prompt + generated tokens of one sequence. Must be > 0. Default 2048.
+    /// Upper bound on prompt + generated tokens of one sequence, at most the model's
+    /// max_position. 0 (default) opens the model for 2048 tokens, or for max_position when that
+    /// is smaller; `tl_model_config` reports the value in use.
     pub max_seq_len: u32,
     /// When > 0, step buffers hold this many rows, longer prompts are prefilled in chunks, and
     /// score calls accept at most this many tokens. 0 (default) sizes buffers to max_seq_len.
@@ -30,7 +32,8 @@ pub struct tl_model_params {
     pub device: *const c_char,
     /// Largest loop count a call may ask for (bounds the KV cache). Must be > 0. Default 64.
     pub max_loops: u32,
-    /// Print the load log on stderr. Default true.
+    /// Print the library's lines on stderr: the load log, and the CTX-TIER and BETA-MON lines of
+    /// calls that ask for them. false: the library writes nothing on stderr. Default true.
     pub log: bool,
     /// KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta", "age" or
     /// "age:A:B" (docs/ABI.md "KV cache modes"). NULL (default) uses the environment
@@ -220,7 +223,7 @@ pub struct tl_config {
     pub max_position: u32,
     /// "untied" or "tied" (static storage; never free).
     pub head: *const c_char,
-    /// The options the model was opened with.
+    /// The options the model was opened with (`max_seq_len` as resolved: never 0).
     pub max_seq_len: u32,
     pub prefill_chunk: u32,
     pub max_loops: u32,

@@ -42,6 +42,11 @@ pub struct ModelConfig {
     pub head: HeadKind,
 }
 
+/// The longest sequence (prompt + generated tokens) a model is opened for when the caller names
+/// no `max_seq_len`, unless the model's `max_position` is shorter
+/// ([`ModelConfig::default_max_seq_len`]).
+pub const DEFAULT_MAX_SEQ_LEN: usize = 2048;
+
 /// Upper bounds on config values (docs/FORMAT.md "Limits"). They lie far above any model this
 /// runtime targets and keep every size derived from a config far below 2^63 (on 64-bit targets),
 /// so that no product of header values overflows and nothing is built from an unchecked count.
@@ -135,6 +140,12 @@ impl ModelConfig {
             return fail(format!("rope_theta {:e} must be ≥ 1", self.rope_theta));
         }
         Ok(())
+    }
+
+    /// The `max_seq_len` of a model opened without one: [`DEFAULT_MAX_SEQ_LEN`], or
+    /// `max_position` when that is smaller.
+    pub fn default_max_seq_len(&self) -> usize {
+        DEFAULT_MAX_SEQ_LEN.min(self.max_position)
     }
 
     /// Check the options a model is opened with against this (validated) config: sequences fit

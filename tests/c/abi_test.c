@@ -393,8 +393,9 @@ static void test_open_and_lengths(void) {
     printf("     (%s)\n", tl_last_error_message());
     unlink(trunc_path);
 
-    mp.max_seq_len = 0;
-    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "max_seq_len 0");
+    mp.max_seq_len = 1u << 20;
+    EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "max_seq_len above max_position");
+    CHECK(strstr(tl_last_error_message(), "max_position") != NULL, "  ... the message names max_position");
     mp.max_seq_len = 64;
     mp.max_loops = 0;
     EXPECT(tl_model_open(model_path, &mp, &m), TL_ERR_INVALID_ARGUMENT, "max_loops 0");
@@ -1300,6 +1301,20 @@ static void test_basics(void) {
     CHECK(cfg.vocab_size == 256 && cfg.dim > 0 && cfg.n_heads > 0 && cfg.default_loops > 0,
           "  ... byte vocab, positive sizes");
     CHECK(cfg.max_seq_len == 256 && cfg.max_loops == 64, "  ... open options echoed");
+    tl_model_params defaults;
+    tl_model_default_params(&defaults);
+    CHECK(defaults.max_seq_len == 0, "  ... default max_seq_len 0: the model's");
+    defaults.device = "cpu";
+    defaults.log = false;
+    tl_model *by_default = NULL;
+    EXPECT(tl_model_open(model_path, &defaults, &by_default), TL_OK, "open with max_seq_len 0");
+    tl_config resolved;
+    resolved.struct_size = sizeof resolved;
+    if (by_default != NULL && tl_model_config(by_default, &resolved) == TL_OK) {
+        uint32_t expected = resolved.max_position < 2048 ? resolved.max_position : 2048;
+        CHECK(resolved.max_seq_len == expected, "  ... max_seq_len = min(2048, max_position)");
+    }
+    tl_model_free(by_default);
     CHECK(strcmp(cfg.norm, "rmsnorm") == 0 || strcmp(cfg.norm, "layernorm") == 0, "  ... norm name");
     double mb = -1;
     EXPECT(tl_vram_usage_mb(m, &mb), TL_OK, "tl_vram_usage_mb");

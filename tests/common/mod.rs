@@ -20,16 +20,32 @@ pub fn scratch(name: &str) -> PathBuf {
 /// Write a synthetic model and return its path.
 pub fn synth_file(preset_name: &str, seed: u64, bits: u32) -> PathBuf {
     let path = scratch("models").join(format!("{preset_name}-{seed}-{bits}.tinyloop"));
+    write_once(&path, &preset(preset_name).unwrap(), seed, bits);
+    path
+}
+
+/// Write the `tiny` preset with `max_position` positions (seed 1, INT4) and return its path.
+pub fn synth_with_max_position(max_position: usize) -> PathBuf {
+    let path = scratch("models").join(format!("tiny-positions-{max_position}.tinyloop"));
+    let config = tinyloop::ModelConfig {
+        max_position,
+        ..preset("tiny").unwrap()
+    };
+    write_once(&path, &config, 1, 4);
+    path
+}
+
+/// Random weights for `config` at `path`, unless a test wrote them already (written under a
+/// temporary name first, so a concurrent test never maps a half-written file).
+fn write_once(path: &std::path::Path, config: &tinyloop::ModelConfig, seed: u64, bits: u32) {
     if !path.exists() {
-        let config = preset(preset_name).unwrap();
         let tmp = path.with_extension(format!("tmp{:?}", std::thread::current().id()));
-        random_model(&config, seed, bits, 32)
+        random_model(config, seed, bits, 32)
             .unwrap()
             .write(&tmp)
             .unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
     }
-    path
 }
 
 pub fn cpu_options() -> ModelOptions {

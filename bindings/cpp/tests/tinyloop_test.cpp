@@ -2,6 +2,7 @@
 // byte-vocabulary model (CMake synthesizes one).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -68,6 +69,16 @@ TEST(Model, OpensAndDescribesItself) {
     EXPECT_EQ(m.device().rfind("cpu", 0), 0u) << m.device();
 }
 
+TEST(Model, DefaultMaxSeqLenIsTheModels) {
+    tinyloop::ModelOptions opts;
+    EXPECT_EQ(opts.max_seq_len, 0u) << "the default: the model's";
+    opts.device = "cpu";
+    opts.log = false;
+    tinyloop::Model m(model_path(), opts);
+    auto cfg = m.config();
+    EXPECT_EQ(cfg.max_seq_len, std::min<uint32_t>(2048, cfg.max_position));
+}
+
 TEST(Model, OpenFailuresCarryStatusAndMessage) {
     try {
         tinyloop::Model bad("/nonexistent/x.tinyloop");
@@ -77,7 +88,7 @@ TEST(Model, OpenFailuresCarryStatusAndMessage) {
         EXPECT_NE(std::string(e.what()).find("/nonexistent/x.tinyloop"), std::string::npos) << e.what();
     }
     tinyloop::ModelOptions opts;
-    opts.max_seq_len = 0;
+    opts.max_seq_len = 1u << 20;  // above max_position
     EXPECT_EQ(status_of([&] { tinyloop::Model m(model_path(), opts); }), TL_ERR_INVALID_ARGUMENT);
     tinyloop::ModelOptions bad_kv;
     bad_kv.kv_mode = "int3";

@@ -36,6 +36,20 @@ def test_a_transition_in_the_middle_of_generation(model, tmp_path):
     assert json.loads(summary.read_text())["n_obs"] == 10
 
 
+@pytest.mark.parametrize("log", [True, False])
+def test_tier_lines_follow_the_log_option(model_path, capfd, log):
+    tier = tinyloop_py.CtxTier(short_t=4, long_t=9, verbose=True)
+    with tinyloop_py.Model(model_path, max_seq_len=256, device=DEVICE, log=log) as m:
+        capfd.readouterr()
+        m.generate(PROMPT, max_tokens=6, loops=2, ctx_tier=tier)
+        assert m.last_generate_stats()["ctx_tier"]["transitions"] == 1
+    err = capfd.readouterr().err
+    if log:
+        assert "[ctx_tier] transition at observation 4 (seq_len=9): SHORT -> LONG" in err, err
+    else:
+        assert err == "", "log=False: the library prints nothing"
+
+
 def test_a_dict_and_a_session(model):
     with model.new_session() as s:
         out = s.generate(PROMPT, max_tokens=4, loops=2, ctx_tier={"short_t": 1, "long_t": 2})

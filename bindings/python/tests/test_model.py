@@ -56,10 +56,16 @@ def test_explicit_tinyloop_lib_must_exist(monkeypatch, tmp_path):
 
 # ---- construction ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [0, -1])
-def test_max_seq_len_must_be_positive(model_path, bad):
+@pytest.mark.parametrize("bad", [-1, 2**32, 4096])
+def test_max_seq_len_must_be_in_range(model_path, bad):
     with pytest.raises(ValueError, match="max_seq_len"):
-        tinyloop_py.Model(model_path, max_seq_len=bad)
+        tinyloop_py.Model(model_path, max_seq_len=bad, device="cpu", log=False)
+
+
+def test_max_seq_len_defaults_to_the_model_s(model_path):
+    with tinyloop_py.Model(model_path, device="cpu", log=False) as m:
+        config = m.config()
+        assert config["max_seq_len"] == min(2048, config["max_position"])
 
 
 def test_max_seq_len_must_be_an_int(model_path):

@@ -804,7 +804,9 @@ class Model(_Runner):
     """Weights of one ``.tinyloop`` file on one device, plus a default session.
 
     :param path: the ``.tinyloop`` file.
-    :param max_seq_len: upper bound on prompt + generated tokens (> 0, else ValueError).
+    :param max_seq_len: upper bound on prompt + generated tokens, at most the model's
+        ``max_position``; 0 (the default) is 2048, or ``max_position`` when that is smaller
+        (``config()["max_seq_len"]`` gives the value in use).
     :param prefill_chunk: when > 0, prompts longer than this are prefilled in chunks and score
         calls accept at most this many tokens; 0 sizes buffers to ``max_seq_len``.
     :param device: "auto", "cpu", "cuda" or "cuda:N"; None uses ``TINYLOOP_DEVICE``, or
@@ -813,13 +815,15 @@ class Model(_Runner):
     :param kv_mode: the KV cache mode: "fp16", "fp16-h", "int8-h", "int4-h", "int8", "delta",
         "age" or "age:A:B" (ValueError for others); None uses ``TINYLOOP_KV_INT8`` /
         ``TINYLOOP_KV_DELTA``, else "fp16".
-    :param log: print the load log on stderr.
+    :param log: print the library's lines on stderr (the load log, and the CTX-TIER and BETA-MON
+        lines of calls that ask for them); False silences them all.
     :param fp16_body: keep an FP16 copy of the transformer blocks' quantized weights on the GPU
         for prefill GEMMs through cuBLAS (more memory, faster long prompts; weights rounded to
         f16 on that path); None follows ``TINYLOOP_EXPERIMENTAL_FP16_BODY=1``. No effect on the CPU.
     :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
         is unusable; the message names the failure point.
-    :raises ValueError: ``max_seq_len <= 0`` (and other invalid arguments).
+    :raises ValueError: ``max_seq_len < 0`` or above ``max_position`` (and other invalid
+        arguments).
     """
 
     _prefix = "tl_"
@@ -836,7 +840,7 @@ class Model(_Runner):
     def __init__(
         self,
         path: Union[str, "os.PathLike[str]"],
-        max_seq_len: int = 2048,
+        max_seq_len: int = 0,
         prefill_chunk: int = 0,
         device: Optional[str] = None,
         max_loops: int = 64,
@@ -846,13 +850,9 @@ class Model(_Runner):
     ):
         super().__init__()
         self._config: Optional[Dict[str, Any]] = None
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral):
-            raise TypeError(f"max_seq_len must be an int, got {type(max_seq_len).__name__}")
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
         params = _c.ModelParams()
         _check(_dll.tl_model_default_params(ctypes.byref(params)), "Model")
-        params.max_seq_len = _int(max_seq_len, "max_seq_len", 1, _U32_MAX)
+        params.max_seq_len = _int(max_seq_len, "max_seq_len", 0, _U32_MAX)
         params.prefill_chunk = _int(prefill_chunk, "prefill_chunk", 0, _U32_MAX)
         params.max_loops = _int(max_loops, "max_loops", 1, _U32_MAX)
         params.log = bool(log)
@@ -879,14 +879,16 @@ class Model(_Runner):
     def config(self) -> Dict[str, Any]:
         """The static architecture from the file header: ``dim, n_heads, ffn_dim, vocab_size,
         embed_factor_dim, n_pre_blocks, default_loops`` plus ``n_kv_heads, n_loop_blocks,
-        n_post_blocks, norm, norm_eps, rope_theta, max_position, head``."""
+        n_post_blocks, norm, norm_eps, rope_theta, max_position, head``; and the options the
+        model was opened with, ``max_seq_len`` (the value in use), ``prefill_chunk`` and
+        ``max_loops``."""
         cfg = _c.Config()
         cfg.struct_size = ctypes.sizeof(_c.Config)
         self._run_model("config", _dll.tl_model_config, ctypes.byref(cfg))
         keys = [
             "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "embed_factor_dim",
             "n_pre_blocks", "n_loop_blocks", "n_post_blocks", "default_loops", "norm_eps",
-            "rope_theta", "max_position",
+            "rope_theta", "max_position", "max_seq_len", "prefill_chunk", "max_loops",
         ]
         out: Dict[str, Any] = {k: getattr(cfg, k) for k in keys}
         out["norm"] = cfg.norm.decode()

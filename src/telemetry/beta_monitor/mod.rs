@@ -95,15 +95,20 @@ pub(crate) struct Monitoring {
 }
 
 /// The monitoring of a call: its own thresholds, else the environment's when
-/// `TINYLOOP_BETA_MONITOR=1`, else none.
-pub(crate) fn resolve(call: Option<BetaMonitor>, env: &BetaMonEnv) -> Result<Option<Monitoring>> {
+/// `TINYLOOP_BETA_MONITOR=1`, else none. Tokens are printed with `TINYLOOP_BETA_MON_VERBOSE=1`
+/// when the model logs (`log`).
+pub(crate) fn resolve(
+    call: Option<BetaMonitor>,
+    env: &BetaMonEnv,
+    log: bool,
+) -> Result<Option<Monitoring>> {
     if let Some(thresholds) = &call {
         thresholds.validate()?;
     }
     let thresholds = call.or(env.enabled.then_some(env.thresholds));
     Ok(thresholds.map(|thresholds| Monitoring {
         thresholds,
-        verbose: env.enabled && env.verbose,
+        verbose: env.enabled && env.verbose && log,
     }))
 }
 
@@ -125,12 +130,13 @@ pub fn entropy_bits(logits: &[f32]) -> f64 {
 
 /// After a monitored call: with `TINYLOOP_BETA_MONITOR=1`, the summary line (and the agreement
 /// warning) on stderr; with `TINYLOOP_BETA_MON_FILE`, the summary as JSON in that file. A file
-/// that cannot be written costs a one-line warning, not the call's tokens.
-pub fn report(summary: &BetaMonSummary, env: &BetaMonEnv) {
+/// that cannot be written costs a one-line warning, not the call's tokens. Nothing is printed
+/// unless the model logs (`log`).
+pub fn report(summary: &BetaMonSummary, env: &BetaMonEnv, log: bool) {
     if env.enabled {
-        eprintln!("{}", summary.line());
+        log_line!(log, "{}", summary.line());
         if let Some(warning) = summary.agreement_warning() {
-            eprintln!("{warning}");
+            log_line!(log, "{warning}");
         }
     }
     if let Some(path) = &env.file {
@@ -140,7 +146,8 @@ pub fn report(summary: &BetaMonSummary, env: &BetaMonEnv) {
             f.write_all(b"\n")
         });
         if let Err(e) = written {
-            eprintln!(
+            log_line!(
+                log,
                 "[beta_mon] warning: cannot write TINYLOOP_BETA_MON_FILE={}: {e}",
                 path.display()
             );
@@ -197,13 +204,21 @@ mod tests {
             file: None,
         };
         let own = BetaMonitor::default();
-        assert_eq!(resolve(Some(own), &env).unwrap().unwrap().thresholds, own);
-        let from_env = resolve(None, &env).unwrap().unwrap();
+        assert_eq!(
+            resolve(Some(own), &env, true).unwrap().unwrap().thresholds,
+            own
+        );
+        let from_env = resolve(None, &env, true).unwrap().unwrap();
         assert_eq!(from_env.thresholds, env.thresholds);
         assert!(from_env.verbose);
+        let silent = resolve(None, &env, false).unwrap().unwrap();
+        assert!(
+            !silent.verbose,
+            "a model opened with log false prints no token lines"
+        );
         let off = BetaMonEnv::default();
-        assert_eq!(resolve(None, &off).unwrap(), None);
-        let asked = resolve(Some(own), &off).unwrap().unwrap();
+        assert_eq!(resolve(None, &off, true).unwrap(), None);
+        let asked = resolve(Some(own), &off, true).unwrap().unwrap();
         assert!(
             !asked.verbose,
             "per-token lines need the environment's monitor"
@@ -212,6 +227,6 @@ mod tests {
             agreement_floor: 2.0,
             ..own
         };
-        assert!(resolve(Some(bad), &off).is_err());
+        assert!(resolve(Some(bad), &off, true).is_err());
     }
 }
