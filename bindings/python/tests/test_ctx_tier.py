@@ -54,7 +54,9 @@ def test_a_dict_and_a_session(model):
     with model.new_session() as s:
         out = s.generate(PROMPT, max_tokens=4, loops=2, ctx_tier={"short_t": 1, "long_t": 2})
         stats = s.last_generate_stats()["ctx_tier"]
-        assert stats["long_steps"] == stats["observations"] == 4
+        # Position 0 (seq_len 1) runs at SHORT, positions 1.. at LONG: the prefill is cut in two
+        # steps, then three decode steps.
+        assert (stats["short_steps"], stats["long_steps"], stats["observations"]) == (1, 4, 5)
         assert len(out) == 4
         # Back to the INT4 body without a policy: the model's own output.
         assert list(s.generate(PROMPT, max_tokens=4, loops=2)) == list(
