@@ -13,10 +13,12 @@
 //! The tier is the session's: it persists between calls. This module is the policy and its
 //! telemetry (stderr lines and the optional JSON file); model/body.rs holds the weights.
 
+use std::ffi::OsString;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::env::{self, Vars};
 use crate::error::{Error, Result};
 use crate::format::DType;
 
@@ -94,51 +96,32 @@ impl CtxTier {
     }
 
     /// The policy `TINYLOOP_CTX_TIER=1` and its companions describe; `None` when it is unset or
-    /// off. A bad value is an error naming the variable.
+    /// off. A bad value of any of the variables is an error naming it, even when the policy is
+    /// off.
     pub fn from_env() -> Result<Option<CtxTier>> {
-        Self::from_vars(|name| std::env::var(name).ok())
+        Self::from_vars(env::process)
     }
 
     /// [`CtxTier::from_env`] over any variable source.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<CtxTier>> {
-        if !flag(ENV_ENABLE, var(ENV_ENABLE))? {
+    pub fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Result<Option<CtxTier>> {
+        let vars = Vars::new(&var);
+        let defaults = CtxTier::default();
+        let any = 1..=usize::MAX as u64;
+        let enabled = vars.switch(ENV_ENABLE, false)?;
+        let tier = CtxTier {
+            short_t: vars.number(ENV_SHORT_T, defaults.short_t, any.clone())?,
+            long_t: vars.number(ENV_LONG_T, defaults.long_t, any)?,
+            long_bits: vars.number(ENV_LONG_BITS, defaults.long_bits, 2..=2)?,
+            verbose: vars.switch(ENV_VERBOSE, false)?,
+            file: vars.path(ENV_FILE),
+        };
+        if !enabled {
             return Ok(None);
         }
-        let number = |name: &str, default: usize| -> Result<usize> {
-            match var(name) {
-                None => Ok(default),
-                Some(v) => v.trim().parse().map_err(|_| {
-                    Error::invalid(format!("{name}={v:?} is not a non-negative integer"))
-                }),
-            }
-        };
-        let defaults = CtxTier::default();
-        let tier = CtxTier {
-            short_t: number(ENV_SHORT_T, defaults.short_t)?,
-            long_t: number(ENV_LONG_T, defaults.long_t)?,
-            long_bits: number(ENV_LONG_BITS, defaults.long_bits as usize)? as u32,
-            verbose: flag(ENV_VERBOSE, var(ENV_VERBOSE))?,
-            file: var(ENV_FILE).filter(|f| !f.is_empty()).map(PathBuf::from),
-        };
-        if var(ENV_LONG_BITS).is_some() && tier.long_bits != 2 {
-            return Err(Error::invalid(format!(
-                "{ENV_LONG_BITS}={} is not supported: the only LONG encoding is INT2 (2)",
-                tier.long_bits
-            )));
-        }
+        // The variables' ranges leave one relation to check: short_t <= long_t.
         tier.check()
-            .map_err(|why| Error::invalid(format!("{ENV_ENABLE} settings: {why}")))?;
+            .map_err(|why| Error::invalid(format!("{ENV_SHORT_T} and {ENV_LONG_T}: {why}")))?;
         Ok(Some(tier))
-    }
-}
-
-fn flag(name: &str, value: Option<String>) -> Result<bool> {
-    match value.as_deref().map(str::trim) {
-        None | Some("") | Some("0") | Some("off") | Some("false") => Ok(false),
-        Some("1") | Some("on") | Some("true") => Ok(true),
-        Some(v) => Err(Error::invalid(format!(
-            "{name}={v:?} is not a switch (1/on/true or 0/off/false)"
-        ))),
     }
 }
 
@@ -489,52 +472,102 @@ mod tests {
         assert!(t.finish().is_none());
     }
 
+    fn from(pairs: &[(&str, &[u8])]) -> Result<Option<CtxTier>> {
+        CtxTier::from_vars(env::table(pairs))
+    }
+
+    fn error(pairs: &[(&str, &[u8])]) -> String {
+        from(pairs).unwrap_err().to_string()
+    }
+
     #[test]
-    fn environment_values_are_checked() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
-                pairs
-                    .iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
-        assert_eq!(CtxTier::from_vars(vars(&[])).unwrap(), None);
+    fn environment_values_are_read() {
+        assert_eq!(from(&[]).unwrap(), None);
+        assert_eq!(from(&[(ENV_ENABLE, b"0")]).unwrap(), None);
+        assert_eq!(from(&[(ENV_ENABLE, b"")]).unwrap(), None);
         assert_eq!(
-            CtxTier::from_vars(vars(&[(ENV_ENABLE, "1")])).unwrap(),
+            from(&[(ENV_ENABLE, b"1")]).unwrap(),
             Some(CtxTier::default())
         );
-        let got = CtxTier::from_vars(vars(&[
-            (ENV_ENABLE, "1"),
-            (ENV_SHORT_T, "8"),
-            (ENV_LONG_T, "24"),
-            (ENV_VERBOSE, "1"),
-            (ENV_FILE, "/tmp/x.json"),
-        ]))
+        let got = from(&[
+            (ENV_ENABLE, b"1"),
+            (ENV_SHORT_T, b"8"),
+            (ENV_LONG_T, b"18446744073709551615"),
+            (ENV_LONG_BITS, b"2"),
+            (ENV_VERBOSE, b"1"),
+            (ENV_FILE, b"/tmp/x.json"),
+        ])
         .unwrap()
         .unwrap();
-        assert_eq!((got.short_t, got.long_t, got.verbose), (8, 24, true));
-        for (bad, named) in [
-            (&[(ENV_ENABLE, "yes please")][..], ENV_ENABLE),
-            (
-                &[(ENV_ENABLE, "1"), (ENV_LONG_BITS, "3")][..],
-                ENV_LONG_BITS,
-            ),
-            (&[(ENV_ENABLE, "1"), (ENV_SHORT_T, "x")][..], ENV_SHORT_T),
-            (
-                &[(ENV_ENABLE, "1"), (ENV_SHORT_T, "99"), (ENV_LONG_T, "9")][..],
-                "short_t",
-            ),
+        assert_eq!(
+            got,
+            CtxTier {
+                short_t: 8,
+                long_t: usize::MAX,
+                long_bits: 2,
+                verbose: true,
+                file: Some(PathBuf::from("/tmp/x.json")),
+            }
+        );
+        // Empty is unset: the defaults.
+        let got = from(&[(ENV_ENABLE, b"1"), (ENV_SHORT_T, b""), (ENV_FILE, b"")]);
+        assert_eq!(got.unwrap(), Some(CtxTier::default()));
+        // A path needs no UTF-8.
+        use std::os::unix::ffi::OsStrExt;
+        let got = from(&[(ENV_ENABLE, b"1"), (ENV_FILE, env::NOT_UTF8)]);
+        let file = got.unwrap().unwrap().file.unwrap();
+        assert_eq!(file.as_os_str().as_bytes(), env::NOT_UTF8);
+    }
+
+    #[test]
+    fn bad_environment_values_name_the_variable_and_value() {
+        let switch = "expected 1, on or true, or 0, off or false (unset or empty: 0)";
+        let count = "expected an integer ≥ 1";
+        for (var, value, expected) in [
+            (ENV_ENABLE, "yes", switch),
+            (ENV_ENABLE, "2", switch),
+            (ENV_ENABLE, "ON", switch),
+            (ENV_VERBOSE, "-1", switch),
+            (ENV_SHORT_T, "0", count),
+            (ENV_SHORT_T, "x", count),
+            (ENV_SHORT_T, "18446744073709551616", count),
+            (ENV_LONG_T, "-5", count),
+            (ENV_LONG_BITS, "3", "expected 2"),
+            (ENV_LONG_BITS, "4294967298", "expected 2"),
+            (ENV_LONG_BITS, "4294967300", "expected 2"),
         ] {
-            let owned: Vec<(String, String)> = bad
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            let err =
-                CtxTier::from_vars(|n| owned.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
-                    .unwrap_err()
-                    .to_string();
-            assert!(err.contains(named), "{err}");
+            // The variables are checked whether or not the policy is on.
+            for enable in [&b"1"[..], b"0"] {
+                let pairs = [(ENV_ENABLE, enable), (var, value.as_bytes())];
+                let pairs = if var == ENV_ENABLE {
+                    &pairs[1..]
+                } else {
+                    &pairs[..]
+                };
+                let e = error(pairs);
+                assert!(
+                    e.contains(&format!("{var}={value:?} is not accepted: {expected}")),
+                    "{e}"
+                );
+            }
         }
+        for var in [
+            ENV_ENABLE,
+            ENV_SHORT_T,
+            ENV_LONG_T,
+            ENV_LONG_BITS,
+            ENV_VERBOSE,
+        ] {
+            let e = error(&[(var, env::NOT_UTF8)]);
+            assert!(
+                e.contains(&format!("{var}=\"1\\xFF\" is not valid UTF-8")),
+                "{e}"
+            );
+        }
+        let e = error(&[(ENV_ENABLE, b"1"), (ENV_SHORT_T, b"99"), (ENV_LONG_T, b"9")]);
+        assert!(
+            e.contains("TINYLOOP_CTX_TIER_SHORT_T and TINYLOOP_CTX_TIER_LONG_T: ctx_tier short_t (99) must be <= long_t (9)"),
+            "{e}"
+        );
     }
 }

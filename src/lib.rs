@@ -28,6 +28,7 @@ pub mod convert;
 pub mod ctx_tier;
 mod device;
 mod engine;
+pub mod env;
 pub mod error;
 pub mod ffi;
 pub mod format;
@@ -181,7 +182,9 @@ impl Model {
         }
         // Device initialization (driver, context, kernels) overlaps reading and checking the file.
         let (file, choice) = std::thread::scope(|scope| {
-            let device = scope.spawn(|| Device::resolve(options.device).and_then(device::select));
+            let device = scope.spawn(|| {
+                Device::resolve(options.device, env::Vars::process()).and_then(device::select)
+            });
             let file = ModelFile::open(path.as_ref());
             let choice = device
                 .join()
@@ -206,11 +209,15 @@ impl Model {
         let env_ctx_tier = CtxTier::from_env()?;
         let beta_env = BetaMonEnv::from_env()?;
         let mut notes = Vec::new();
+        let fp16_body = match options.fp16_body {
+            Some(on) => on,
+            None => fp16_body::from_vars(env::Vars::process())?,
+        };
         let (mut kernels, mut kernel_ms) = (None, 0.0);
         let (engine, device_name, weight_bytes) = match choice {
             device::Selected::Cpu { note } => {
                 notes.extend(note);
-                if options.fp16_body.unwrap_or_else(fp16_body::from_env) {
+                if fp16_body {
                     notes.push("FP16 body cache: not used on the CPU".into());
                 }
                 let backend = CpuBackend;
@@ -224,7 +231,6 @@ impl Model {
             }
             device::Selected::Cuda(backend) => {
                 let mut backend = *backend;
-                let fp16_body = options.fp16_body.unwrap_or_else(fp16_body::from_env);
                 if fp16_body {
                     backend.enable_fp16_body()?;
                 }

@@ -585,12 +585,12 @@ fn bad_variables_and_flags_exit_1_naming_what_was_wrong() {
         (
             "TINYLOOP_BETA_MONITOR",
             "yes",
-            "TINYLOOP_BETA_MONITOR must be 1 or 0",
+            "TINYLOOP_BETA_MONITOR=\"yes\" is not accepted: expected 1, on or true, or 0, off or false",
         ),
         (
             "TINYLOOP_BETA_MON_VERBOSE",
             "2",
-            "TINYLOOP_BETA_MON_VERBOSE must be 1 or 0",
+            "TINYLOOP_BETA_MON_VERBOSE=\"2\" is not accepted",
         ),
         (
             "TINYLOOP_BETA_MON_LOW_ENTROPY_BITS",
@@ -609,9 +609,9 @@ fn bad_variables_and_flags_exit_1_naming_what_was_wrong() {
             "TINYLOOP_BETA_MON_AGREEMENT_FLOOR must be in [0, 1], got 95",
         ),
         (
-            "TINYLOOP_BETA_MON_FILE",
-            "",
-            "TINYLOOP_BETA_MON_FILE is empty",
+            "TINYLOOP_BETA_MON_HIGH_ENTROPY_BITS",
+            "lots",
+            "TINYLOOP_BETA_MON_HIGH_ENTROPY_BITS=\"lots\" is not accepted: expected a finite number",
         ),
     ] {
         let out = tinyloop(&args, &[(var, value)]);

@@ -474,7 +474,10 @@ fn cli_reports_tiers_only_when_asked() {
     );
     assert_eq!(bad.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&bad.stderr);
-    assert!(stderr.contains("TINYLOOP_CTX_TIER_LONG_BITS=3"), "{stderr}");
+    assert!(
+        stderr.contains("TINYLOOP_CTX_TIER_LONG_BITS=\"3\" is not accepted: expected 2"),
+        "{stderr}"
+    );
     let bad = cli(
         &[&gen[..], &["--ctx-tier", "--ctx-tier-long-bits", "4"]].concat(),
         &[],

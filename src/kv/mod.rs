@@ -13,6 +13,7 @@
 pub mod codec;
 mod layout;
 
+use std::ffi::OsString;
 use std::fmt;
 use std::str::FromStr;
 
@@ -20,7 +21,12 @@ pub use layout::{
     Application, Codes, KvLayout, KvSlot, Scales, Scratch, Tier, AGE_BLOCK, H_TILE, KV_DESC_WORDS,
 };
 
+use crate::env::{self, Vars};
 use crate::error::{Error, Result};
+
+/// The environment variables of the default mode ([`KvMode::from_env`]).
+pub const ENV_INT8: &str = "TINYLOOP_KV_INT8";
+pub const ENV_DELTA: &str = "TINYLOOP_KV_DELTA";
 
 /// Token-age boundaries of AGE-KV (seed page 003): entries younger than `int4_from` tokens are
 /// INT8 deltas, older ones INT4 deltas with f16 scales, and from `fp8_from` on INT4 deltas with
@@ -115,13 +121,23 @@ pub const KV_MODE_NAMES: [&str; 7] = ["fp16", "fp16-h", "int8-h", "int4-h", "int
 
 impl KvMode {
     /// The default mode when a caller names none: `TINYLOOP_KV_INT8=1` selects `int8`,
-    /// `TINYLOOP_KV_DELTA=1` selects `delta` (the reference pages' variables), else `fp16`.
+    /// `TINYLOOP_KV_DELTA=1` selects `delta` (the reference pages' variables), else `fp16`. Both
+    /// on, or a value that is not a switch (docs/ABI.md "Environment variables"), is an error
+    /// naming the variable.
     pub fn from_env() -> Result<KvMode> {
-        let on = |var: &str| matches!(std::env::var(var).as_deref(), Ok("1") | Ok("true"));
-        match (on("TINYLOOP_KV_INT8"), on("TINYLOOP_KV_DELTA")) {
-            (true, true) => Err(Error::invalid(
-                "TINYLOOP_KV_INT8 and TINYLOOP_KV_DELTA are both set: choose one KV mode",
-            )),
+        Self::from_vars(env::process)
+    }
+
+    /// [`KvMode::from_env`] over any variable source.
+    pub fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Result<KvMode> {
+        let vars = Vars::new(&var);
+        match (
+            vars.switch(ENV_INT8, false)?,
+            vars.switch(ENV_DELTA, false)?,
+        ) {
+            (true, true) => Err(Error::invalid(format!(
+                "{ENV_INT8} and {ENV_DELTA} are both on: choose one KV mode"
+            ))),
             (true, false) => Ok(KvMode::Int8),
             (false, true) => Ok(KvMode::Delta),
             (false, false) => Ok(KvMode::Fp16),
@@ -320,5 +336,59 @@ mod tests {
         assert!(err.contains("multiples of 64"), "{err}");
         assert!("age:64".parse::<KvMode>().is_err());
         assert!("age:x:128".parse::<KvMode>().is_err());
+    }
+
+    #[test]
+    fn environment_selects_the_default_mode() {
+        let mode = |pairs: &[(&str, &[u8])]| KvMode::from_vars(env::table(pairs));
+        assert_eq!(mode(&[]).unwrap(), KvMode::Fp16);
+        assert_eq!(
+            mode(&[(ENV_INT8, b""), (ENV_DELTA, b"")]).unwrap(),
+            KvMode::Fp16
+        );
+        assert_eq!(
+            mode(&[(ENV_INT8, b"0"), (ENV_DELTA, b"0")]).unwrap(),
+            KvMode::Fp16
+        );
+        assert_eq!(mode(&[(ENV_INT8, b"1")]).unwrap(), KvMode::Int8);
+        assert_eq!(
+            mode(&[(ENV_INT8, b"1"), (ENV_DELTA, b"0")]).unwrap(),
+            KvMode::Int8
+        );
+        assert_eq!(mode(&[(ENV_DELTA, b"1")]).unwrap(), KvMode::Delta);
+        // The words every switch takes (these were once ignored here).
+        assert_eq!(mode(&[(ENV_INT8, b"on")]).unwrap(), KvMode::Int8);
+        assert_eq!(
+            mode(&[(ENV_DELTA, b"true"), (ENV_INT8, b"off")]).unwrap(),
+            KvMode::Delta
+        );
+        for var in [ENV_INT8, ENV_DELTA] {
+            for bad in ["2", "yes", "-1", "10"] {
+                let e = mode(&[(var, bad.as_bytes())]).unwrap_err().to_string();
+                assert!(
+                    e.contains(&format!(
+                        "{var}={bad:?} is not accepted: expected 1, on or true"
+                    )),
+                    "{e}"
+                );
+            }
+            let e = mode(&[(var, env::NOT_UTF8)]).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{var}=\"1\\xFF\" is not valid UTF-8")),
+                "{e}"
+            );
+        }
+        let e = mode(&[(ENV_INT8, b"1"), (ENV_DELTA, b"1")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("TINYLOOP_KV_INT8 and TINYLOOP_KV_DELTA are both on"),
+            "{e}"
+        );
+        // A bad value is reported even beside a valid one that would have chosen the mode.
+        let e = mode(&[(ENV_INT8, b"yes"), (ENV_DELTA, b"1")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TINYLOOP_KV_INT8=\"yes\""), "{e}");
     }
 }

@@ -17,16 +17,17 @@ use half::f16;
 use super::blas::{self, Blas, Output};
 use super::{CudaBackend, CudaLinear};
 use crate::backend::HostLinear;
+use crate::env::Vars;
 use crate::error::{Error, Result};
 use crate::model::quant::f16_to_bytes;
 use crate::model::weights::Weights;
 
-/// Whether `TINYLOOP_EXPERIMENTAL_FP16_BODY` asks for the FP16 body cache (`1`, `on`, `true`).
-pub fn from_env() -> bool {
-    matches!(
-        std::env::var("TINYLOOP_EXPERIMENTAL_FP16_BODY").as_deref(),
-        Ok("1") | Ok("on") | Ok("true")
-    )
+/// The switch of the FP16 body cache when a caller does not say.
+pub const ENV: &str = "TINYLOOP_EXPERIMENTAL_FP16_BODY";
+
+/// Whether [`ENV`] asks for the FP16 body cache (`1`; `0`, unset or empty: no).
+pub(crate) fn from_vars(vars: Vars) -> Result<bool> {
+    vars.switch(ENV, false)
 }
 
 impl CudaBackend {
@@ -127,5 +128,39 @@ impl CudaBackend {
             self.remember(e.to_string());
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env;
+
+    fn read(value: &[u8]) -> Result<bool> {
+        let source = env::table(&[(ENV, value)]);
+        from_vars(Vars::new(&source))
+    }
+
+    #[test]
+    fn the_switch_is_0_or_1() {
+        let source = env::table(&[]);
+        assert!(!from_vars(Vars::new(&source)).unwrap());
+        assert!(!read(b"").unwrap());
+        assert!(!read(b"0").unwrap());
+        assert!(read(b"1").unwrap());
+        for bad in ["yes", "2", "-1"] {
+            let e = read(bad.as_bytes()).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!(
+                    "{ENV}={bad:?} is not accepted: expected 1, on or true"
+                )),
+                "{e}"
+            );
+        }
+        let e = read(env::NOT_UTF8).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{ENV}=\"1\\xFF\" is not valid UTF-8")),
+            "{e}"
+        );
     }
 }

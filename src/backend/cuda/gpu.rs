@@ -11,7 +11,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 use rayon::prelude::*;
 
 use super::driver::{device_error, driver_present, DevBuf};
-use super::kernels::{self, Kernels};
+use super::kernels::{self, KernelOptions, Kernels};
 use crate::error::{Error, Result};
 
 /// A GPU: its context, properties, and the compiled kernels.
@@ -38,8 +38,9 @@ pub(crate) struct KernelLoad {
 static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
 
 impl Gpu {
-    /// The process-wide handle of GPU `ordinal`, created (context, kernels) on first use.
-    pub fn get(ordinal: usize) -> Result<(Arc<Gpu>, KernelLoad)> {
+    /// The process-wide handle of GPU `ordinal`, created (context, and kernels loaded as
+    /// `kernel_options` say) on first use.
+    pub fn get(ordinal: usize, kernel_options: &KernelOptions) -> Result<(Arc<Gpu>, KernelLoad)> {
         let mut gpus = GPUS
             .get_or_init(|| Mutex::new(HashMap::new()))
             .lock()
@@ -84,7 +85,7 @@ impl Gpu {
         }
         let context_ms = init_start.elapsed().as_secs_f64() * 1e3 - init_ms;
         let start = Instant::now();
-        let (kernels, note) = kernels::load(&ctx, arch)?;
+        let (kernels, note) = kernels::load(&ctx, arch, kernel_options)?;
         let gpu = Arc::new(Gpu {
             ordinal,
             name,

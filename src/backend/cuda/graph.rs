@@ -47,7 +47,7 @@ impl CudaBackend {
     }
 
     pub(super) fn begin_capture(&self, step: &mut CudaStep) -> Result<bool> {
-        if !self.graphs {
+        if !self.tuning.graphs {
             return Ok(false);
         }
         self.check()?;

@@ -22,6 +22,7 @@ use cudarc::nvrtc::sys as nvrtc;
 use rayon::prelude::*;
 
 use super::driver::device_error;
+use crate::env::{rejected, Vars};
 use crate::error::{Error, Result};
 
 mod shipped;
@@ -171,12 +172,17 @@ fn set_attribute(
 
 /// Load the kernels for `arch`: from the disk cache when possible, otherwise compiled by NVRTC
 /// (and then cached). Returns the kernels and a note saying which happened and how long it took.
-pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, String)> {
+pub(crate) fn load(
+    ctx: &CudaContext,
+    arch: (i32, i32),
+    options: &KernelOptions,
+) -> Result<(Kernels, String)> {
     let start = Instant::now();
     let arch_name = format!("sm_{}{}", arch.0, arch.1);
+    let defines = &options.defines;
     // Says why shipped cubins were passed over, ahead of the note of what was done instead.
     let mut skipped = String::new();
-    if let Some((cubins, path)) = shipped::find(&arch_name) {
+    if let Some((cubins, path)) = shipped::find(&arch_name, defines) {
         match load_modules(ctx, &cubins) {
             Ok(kernels) => {
                 let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -186,18 +192,18 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
             Err(e) => skipped = format!("shipped cubin {} not loaded ({e}); ", path.display()),
         }
     }
-    let dir = cache_dir();
+    let dir = &options.cache;
     let nvrtc_version = load_nvrtc().ok().map(|_| nvrtc_version()).transpose()?;
     let latest = dir.as_ref().map(|d| d.join(format!("latest-{arch_name}")));
     // The key under which to look: this NVRTC's, or (no NVRTC here) the one last written.
     let key = match nvrtc_version {
-        Some(v) => Some(cache_key(&arch_name, v)),
+        Some(v) => Some(cache_key(&arch_name, v, defines)),
         None => latest
             .as_ref()
             .and_then(|p| std::fs::read_to_string(p).ok())
             .map(|s| s.trim().to_string()),
     };
-    let cached = match (&dir, &key) {
+    let cached = match (dir, &key) {
         (Some(dir), Some(key)) => std::fs::read(cache_file(dir, key))
             .ok()
             .and_then(|bytes| unpack(&bytes)),
@@ -219,14 +225,14 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
                 .unwrap_or_default()
         )));
     };
-    let cubins = compile(&arch_name)?;
+    let cubins = compile(&arch_name, defines)?;
     let compiled_ms = start.elapsed().as_secs_f64() * 1e3;
     let kernels = load_modules(ctx, &cubins)?;
     let mut note = format!(
         "{skipped}compiled by NVRTC {}.{} for {arch_name} in {compiled_ms:.0} ms",
         version.0, version.1
     );
-    if let (Some(dir), Some(key)) = (&dir, &key) {
+    if let (Some(dir), Some(key)) = (dir, &key) {
         match store(dir, key, &pack(&cubins), latest.as_deref()) {
             Ok(path) => note.push_str(&format!(", cached in {}", path.display())),
             Err(e) => note.push_str(&format!(", not cached ({e})")),
@@ -235,23 +241,61 @@ pub(crate) fn load(ctx: &CudaContext, arch: (i32, i32)) -> Result<(Kernels, Stri
     Ok((kernels, note))
 }
 
-/// The cache folder, or None when caching is off.
-fn cache_dir() -> Option<PathBuf> {
-    match std::env::var_os("TINYLOOP_KERNEL_CACHE") {
-        Some(v) if v == "off" || v == "0" => None,
-        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
-        _ => {
-            let base = std::env::var_os("XDG_CACHE_HOME")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME")
-                        .filter(|v| !v.is_empty())
-                        .map(|h| PathBuf::from(h).join(".cache"))
-                })?;
-            Some(base.join("tinyloop").join("kernels"))
-        }
+/// What the kernel variables ask for, read when a model opens on CUDA.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KernelOptions {
+    /// The cache folder ([`CACHE`]), or None when caching is off.
+    pub cache: Option<PathBuf>,
+    /// Extra `-D` options ([`DEFINES`]); they are part of the cache key.
+    pub defines: Vec<String>,
+}
+
+/// The cache folder: a path, or `off` (also `0`) to disable the cache.
+pub(crate) const CACHE: &str = "TINYLOOP_KERNEL_CACHE";
+/// Extra NVRTC defines for tuning experiments: space-separated `NAME` or `NAME=VALUE`, each
+/// optionally written `-DNAME...`, e.g. `GEMV_MIN_BLOCKS=4`.
+pub(crate) const DEFINES: &str = "TINYLOOP_CUDA_DEFINES";
+
+impl KernelOptions {
+    pub fn from_vars(vars: Vars) -> Result<KernelOptions> {
+        let cache = match vars.path(CACHE) {
+            Some(off) if off.as_os_str() == "off" || off.as_os_str() == "0" => None,
+            Some(dir) => Some(dir),
+            None => default_cache_dir(vars),
+        };
+        let text = vars.text(DEFINES)?.unwrap_or_default();
+        let defines = text.split_whitespace().map(define).collect::<Option<_>>();
+        let defines = defines.ok_or_else(|| {
+            rejected(
+                DEFINES,
+                &text,
+                "space-separated NAME or NAME=VALUE (NAME a C identifier, optionally written \
+                 -DNAME)",
+            )
+        })?;
+        Ok(KernelOptions { cache, defines })
     }
+}
+
+/// `NAME` or `NAME=VALUE`, optionally written `-D...`, as an NVRTC option; None when NAME is not
+/// a C identifier.
+fn define(item: &str) -> Option<String> {
+    let item = item.strip_prefix("-D").unwrap_or(item);
+    let name = item.split_once('=').map_or(item, |(name, _)| name);
+    let identifier = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    identifier.then(|| format!("-D{item}"))
+}
+
+/// `$XDG_CACHE_HOME/tinyloop/kernels`, else `$HOME/.cache/tinyloop/kernels`.
+fn default_cache_dir(vars: Vars) -> Option<PathBuf> {
+    let base = vars
+        .path("XDG_CACHE_HOME")
+        .or_else(|| vars.path("HOME").map(|home| home.join(".cache")))?;
+    Some(base.join("tinyloop").join("kernels"))
 }
 
 /// FNV-1a, 64 bits: stable across Rust versions, unlike `DefaultHasher`.
@@ -268,19 +312,9 @@ fn fnv1a(data: &[&[u8]]) -> u64 {
     h
 }
 
-/// Extra `-D` options from `TINYLOOP_CUDA_DEFINES` (space separated, e.g. `GEMV_MIN_BLOCKS=4`),
-/// for tuning experiments; they are part of the cache key.
-fn extra_defines() -> Vec<String> {
-    std::env::var("TINYLOOP_CUDA_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|d| format!("-D{}", d.trim_start_matches("-D")))
-        .collect()
-}
-
 /// Hash of everything that makes the cubins besides the architecture and the compiler: the
-/// sources, the programs and their options, and any `TINYLOOP_CUDA_DEFINES`.
-fn source_hash() -> u64 {
+/// sources, the programs and their options, and the extra `defines`.
+fn source_hash(defines: &[String]) -> u64 {
     let mut parts: Vec<&[u8]> = Vec::new();
     for (name, src) in &SOURCES {
         parts.push(name.as_bytes());
@@ -293,19 +327,18 @@ fn source_hash() -> u64 {
     for o in &OPTIONS {
         parts.push(o.as_bytes());
     }
-    let extra = extra_defines();
-    for o in &extra {
+    for o in defines {
         parts.push(o.as_bytes());
     }
     fnv1a(&parts)
 }
 
-fn cache_key(arch: &str, version: (i32, i32)) -> String {
+fn cache_key(arch: &str, version: (i32, i32), defines: &[String]) -> String {
     format!(
         "{arch}-nvrtc{}{}-{:016x}",
         version.0,
         version.1,
-        source_hash()
+        source_hash(defines)
     )
 }
 
@@ -392,8 +425,9 @@ fn load_nvrtc() -> Result<()> {
 /// find them: the one named by `var` (a folder or a library in it), the toolkit's, and the CUDA
 /// 13 Python wheels'.
 pub(super) fn library_dirs(var: &str) -> Vec<PathBuf> {
+    let vars = Vars::process();
     let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os(var).map(PathBuf::from) {
+    if let Some(p) = vars.path(var) {
         if p.is_file() {
             dirs.extend(p.parent().map(Path::to_path_buf));
         } else {
@@ -401,8 +435,8 @@ pub(super) fn library_dirs(var: &str) -> Vec<PathBuf> {
         }
     }
     for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(p) = std::env::var_os(var) {
-            dirs.push(PathBuf::from(p).join("lib64"));
+        if let Some(p) = vars.path(var) {
+            dirs.push(p.join("lib64"));
         }
     }
     dirs.push("/usr/local/cuda/lib64".into());
@@ -467,13 +501,13 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// Compile every program for `arch`, in parallel; cubins in PROGRAMS order.
-pub(crate) fn compile(arch: &str) -> Result<Vec<Vec<u8>>> {
+/// Compile every program for `arch` with the extra `defines`, in parallel; cubins in PROGRAMS
+/// order.
+pub(crate) fn compile(arch: &str, defines: &[String]) -> Result<Vec<Vec<u8>>> {
     load_nvrtc()?;
-    let defines = extra_defines();
     PROGRAMS
         .par_iter()
-        .map(|(file, options)| compile_program(arch, file, options, &defines))
+        .map(|(file, options)| compile_program(arch, file, options, defines))
         .collect()
 }
 
@@ -699,11 +733,68 @@ mod tests {
 
     #[test]
     fn key_is_stable_and_depends_on_arch_and_version() {
-        let a = cache_key("sm_90", (13, 0));
-        assert_eq!(a, cache_key("sm_90", (13, 0)));
-        assert_ne!(a, cache_key("sm_80", (13, 0)));
-        assert_ne!(a, cache_key("sm_90", (13, 1)));
+        let a = cache_key("sm_90", (13, 0), &[]);
+        assert_eq!(a, cache_key("sm_90", (13, 0), &[]));
+        assert_ne!(a, cache_key("sm_80", (13, 0), &[]));
+        assert_ne!(a, cache_key("sm_90", (13, 1), &[]));
+        assert_ne!(a, cache_key("sm_90", (13, 0), &["-DX=1".into()]));
         assert!(a.starts_with("sm_90-nvrtc130-"));
+    }
+
+    fn kernel_options(pairs: &[(&str, &[u8])]) -> Result<KernelOptions> {
+        let source = crate::env::table(pairs);
+        KernelOptions::from_vars(Vars::new(&source))
+    }
+
+    #[test]
+    fn kernel_variables_are_read() {
+        let home = [("HOME", &b"/home/u"[..])];
+        let default = kernel_options(&home).unwrap();
+        assert_eq!(
+            default.cache,
+            Some(PathBuf::from("/home/u/.cache/tinyloop/kernels"))
+        );
+        assert!(default.defines.is_empty());
+        let xdg = kernel_options(&[("HOME", b"/home/u"), ("XDG_CACHE_HOME", b"/x")]).unwrap();
+        assert_eq!(xdg.cache, Some(PathBuf::from("/x/tinyloop/kernels")));
+        assert_eq!(kernel_options(&[]).unwrap().cache, None);
+        for off in ["off", "0"] {
+            let got = kernel_options(&[("HOME", b"/home/u"), (CACHE, off.as_bytes())]);
+            assert_eq!(got.unwrap().cache, None);
+        }
+        let empty = kernel_options(&[("HOME", b"/home/u"), (CACHE, b""), (DEFINES, b"")]);
+        assert_eq!(empty.unwrap(), default);
+        // A folder needs no UTF-8.
+        use std::os::unix::ffi::OsStrExt;
+        let dir = kernel_options(&[(CACHE, crate::env::NOT_UTF8)])
+            .unwrap()
+            .cache
+            .unwrap();
+        assert_eq!(dir.as_os_str().as_bytes(), crate::env::NOT_UTF8);
+        let got = kernel_options(&[(DEFINES, b" GEMV_MIN_BLOCKS=4  -DFAST _X=a=b ")]).unwrap();
+        assert_eq!(got.defines, ["-DGEMV_MIN_BLOCKS=4", "-DFAST", "-D_X=a=b"]);
+    }
+
+    #[test]
+    fn bad_kernel_variables_name_the_variable_and_value() {
+        for bad in ["4X=1", "-D", "=1", "A-B=2", "OK BAD;"] {
+            let e = kernel_options(&[(DEFINES, bad.as_bytes())])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "{DEFINES}={bad:?} is not accepted: expected space-separated NAME"
+                )),
+                "{e}"
+            );
+        }
+        let e = kernel_options(&[(DEFINES, crate::env::NOT_UTF8)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("TINYLOOP_CUDA_DEFINES=\"1\\xFF\" is not valid UTF-8"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -725,7 +816,7 @@ mod tests {
             return;
         }
         for arch in ["sm_80", "sm_90"] {
-            let cubins = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+            let cubins = compile(arch, &[]).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(cubins.len(), PROGRAMS.len());
             for cubin in &cubins {
                 assert!(cubin.len() > 1000, "{arch}: cubin of {} bytes", cubin.len());

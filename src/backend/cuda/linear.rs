@@ -115,7 +115,7 @@ impl CudaBackend {
             group,
             params_offset,
             fast,
-            tpr: choose_tpr(rows, units.max(1), self.gpu.sms),
+            tpr: choose_tpr(rows, units.max(1), self.gpu.sms, self.tuning.gemv_tpr),
             streamed: AtomicBool::new(true),
             fp16: OnceLock::new(),
         }
@@ -477,17 +477,11 @@ impl CudaBackend {
     }
 }
 
-/// Threads per output row for a GEMV over `units` 16-byte units per row and `n` rows: up to 16
-/// (measured on an H200 for tl-407m: 16 rows of 16 threads per block beat 8 rows of 32, 0.545 vs
-/// 0.60 ms/token, by amortizing the staging of x over more rows), more while the grid would
-/// leave SMs idle.
-fn choose_tpr(n: usize, units: usize, sms: usize) -> u32 {
-    // TINYLOOP_CUDA_GEMV_TPR overrides the starting width (a tuning knob: 1, 2, 4, ..., 32).
-    let cap = std::env::var("TINYLOOP_CUDA_GEMV_TPR")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|v| v.is_power_of_two() && *v <= 32)
-        .unwrap_or(16);
+/// Threads per output row for a GEMV over `units` 16-byte units per row and `n` rows: up to `cap`
+/// (`TINYLOOP_CUDA_GEMV_TPR`, default 16: measured on an H200 for tl-407m, 16 rows of 16 threads
+/// per block beat 8 rows of 32, 0.545 vs 0.60 ms/token, by amortizing the staging of x over more
+/// rows), more while the grid would leave SMs idle.
+fn choose_tpr(n: usize, units: usize, sms: usize, cap: usize) -> u32 {
     let mut tpr = units.next_power_of_two().clamp(1, cap);
     while tpr < 256 && tpr * 2 <= units && n.div_ceil(256 / tpr) < sms {
         tpr *= 2;
@@ -524,10 +518,10 @@ mod tests {
     #[test]
     fn tpr_fills_the_gpu_for_short_grids() {
         // tl-407m shapes on 132 SMs.
-        assert_eq!(choose_tpr(6144, 64, 132), 16); // qkv: 384 blocks
-        assert_eq!(choose_tpr(2048, 256, 132), 32); // down: 128 blocks at 16 → widened
-        assert_eq!(choose_tpr(50304, 256, 132), 16); // head
-        assert_eq!(choose_tpr(64, 2, 132), 2); // tiny: two units per row
-        assert_eq!(choose_tpr(64, 64, 132), 64);
+        assert_eq!(choose_tpr(6144, 64, 132, 16), 16); // qkv: 384 blocks
+        assert_eq!(choose_tpr(2048, 256, 132, 16), 32); // down: 128 blocks at 16 → widened
+        assert_eq!(choose_tpr(50304, 256, 132, 16), 16); // head
+        assert_eq!(choose_tpr(64, 2, 132, 16), 2); // tiny: two units per row
+        assert_eq!(choose_tpr(64, 64, 132, 16), 64);
     }
 }

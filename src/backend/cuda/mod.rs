@@ -32,6 +32,7 @@ mod graph;
 pub(crate) mod kernels;
 mod linear;
 mod step;
+mod tuning;
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -40,6 +41,7 @@ use cudarc::driver::{result, sys, CudaStream};
 use half::f16;
 
 use super::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
+use crate::env::Vars;
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
@@ -48,6 +50,8 @@ use crate::model::weights::Weights;
 use attention::{MAX_HEAD_DIM, MAX_SPLITS, SPLIT_ROWS};
 use driver::{device_error, launch, Arg};
 use gpu::{Gpu, KernelLoad};
+use kernels::KernelOptions;
+use tuning::Tuning;
 
 pub use attention::CudaKv;
 pub use driver::DevBuf;
@@ -99,18 +103,11 @@ pub struct CudaBackend {
     partial_offset: usize,
     /// The first launch failure since the last call that returned a `Result`.
     error: Mutex<Option<String>>,
-    graphs: bool,
-    /// Launch kernels with programmatic dependent launch (sm_90+; driver::launch).
+    tuning: Tuning,
+    /// Launch kernels with programmatic dependent launch (sm_90+ and `tuning.pdl`;
+    /// driver::launch).
     overlap: bool,
     load: KernelLoad,
-}
-
-/// Whether the on/off switch `var` is unset or on.
-fn switch_on(var: &str) -> bool {
-    !matches!(
-        std::env::var(var).as_deref(),
-        Ok("0") | Ok("off") | Ok("false")
-    )
 }
 
 fn blocks_for(len: usize, threads: usize) -> u32 {
@@ -118,12 +115,16 @@ fn blocks_for(len: usize, threads: usize) -> u32 {
 }
 
 impl CudaBackend {
-    /// Open GPU `ordinal` (context and kernels are created once per process and shared).
+    /// Open GPU `ordinal` (context and kernels are created once per process and shared), tuned
+    /// by the CUDA variables of the process environment. A bad value of one of them is an
+    /// invalid-argument error naming it, checked before the GPU is touched.
     pub fn open(ordinal: usize) -> Result<CudaBackend> {
+        let tuning = Tuning::from_vars(Vars::process())?;
+        let kernel_options = KernelOptions::from_vars(Vars::process())?;
         // cudarc panics when a driver symbol is missing (a driver older than the bindings).
         let opened = std::panic::catch_unwind(|| {
-            let (gpu, load) = Gpu::get(ordinal)?;
-            CudaBackend::with_gpu(gpu, load, 0, 0)
+            let (gpu, load) = Gpu::get(ordinal, &kernel_options)?;
+            CudaBackend::with_gpu(gpu, load, tuning, 0, 0)
         });
         opened.unwrap_or_else(|panic| {
             let msg = panic
@@ -138,6 +139,7 @@ impl CudaBackend {
     fn with_gpu(
         gpu: Arc<Gpu>,
         load: KernelLoad,
+        tuning: Tuning,
         split_floats: usize,
         tickets: usize,
     ) -> Result<CudaBackend> {
@@ -149,7 +151,7 @@ impl CudaBackend {
         let partial_offset = (SCRATCH_TICKETS + tickets * 4).div_ceil(256) * 256;
         let bytes = partial_offset + split_floats * 4;
         let scratch = gpu.zeroed(bytes, "attention scratch")?;
-        let overlap = gpu.arch.0 >= 9 && switch_on("TINYLOOP_CUDA_PDL");
+        let overlap = gpu.arch.0 >= 9 && tuning.pdl;
         Ok(CudaBackend {
             gpu,
             fp16_body: false,
@@ -160,7 +162,7 @@ impl CudaBackend {
             attention_heads: None,
             partial_offset,
             error: Mutex::new(None),
-            graphs: switch_on("TINYLOOP_CUDA_GRAPHS"),
+            tuning,
             overlap,
             load,
         })
@@ -181,7 +183,8 @@ impl CudaBackend {
             ms: 0.0,
         };
         let tickets = SPLIT_ROWS * config.n_heads;
-        let mut backend = CudaBackend::with_gpu(self.gpu.clone(), load, split_floats, tickets)?;
+        let mut backend =
+            CudaBackend::with_gpu(self.gpu.clone(), load, self.tuning, split_floats, tickets)?;
         backend.attention_heads = Some((config.n_heads, hd));
         if self.fp16_body {
             backend.blas = Some(Box::new(backend.new_blas()?));
@@ -331,13 +334,13 @@ impl CudaBackend {
     }
 
     /// Copy host bytes to `offset` of `buf`, in stream order. Through the pinned staging buffers
-    /// unless `TINYLOOP_CUDA_UPLOAD=plain` (one synchronous pageable copy per call).
+    /// unless `tuning.plain_upload` (one synchronous pageable copy per call).
     fn upload(&self, buf: &DevBuf, offset: usize, bytes: &[u8]) -> Result<()> {
         assert!(
             offset + bytes.len() <= buf.bytes,
             "upload past the end of a device buffer"
         );
-        if std::env::var("TINYLOOP_CUDA_UPLOAD").as_deref() == Ok("plain") {
+        if self.tuning.plain_upload {
             self.sync()?;
             return buf.upload(offset, bytes);
         }

@@ -1,9 +1,11 @@
 //! The BETA-MON environment variables, read once when a model is opened.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use super::{BetaMonitor, Names};
-use crate::error::{Error, Result};
+use crate::env::{self, Vars};
+use crate::error::Result;
 
 const MONITOR: &str = "TINYLOOP_BETA_MONITOR";
 const VERBOSE: &str = "TINYLOOP_BETA_MON_VERBOSE";
@@ -29,55 +31,29 @@ pub struct BetaMonEnv {
 impl BetaMonEnv {
     /// Read the process environment; a variable with a bad value is an error naming it.
     pub fn from_env() -> Result<BetaMonEnv> {
-        Self::from_vars(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+        Self::from_vars(env::process)
     }
 
     /// [`BetaMonEnv::from_env`] over any source of variables.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<BetaMonEnv> {
+    pub fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Result<BetaMonEnv> {
+        let vars = Vars::new(&var);
         let defaults = BetaMonitor::default();
-        let number = |name: &str, default: f64| match var(name) {
-            None => Ok(default),
-            Some(v) => v
-                .trim()
-                .parse::<f64>()
-                .map_err(|_| Error::invalid(format!("{name} must be a number, got {v:?}"))),
-        };
         let thresholds = BetaMonitor {
-            low_entropy_bits: number(LOW, defaults.low_entropy_bits)?,
-            high_entropy_bits: number(HIGH, defaults.high_entropy_bits)?,
-            agreement_floor: number(FLOOR, defaults.agreement_floor)?,
+            low_entropy_bits: vars.real(LOW, defaults.low_entropy_bits)?,
+            high_entropy_bits: vars.real(HIGH, defaults.high_entropy_bits)?,
+            agreement_floor: vars.real(FLOOR, defaults.agreement_floor)?,
         };
         thresholds.check(&Names {
             low: LOW,
             high: HIGH,
             floor: FLOOR,
         })?;
-        let file = match var(FILE) {
-            None => None,
-            Some(path) if path.is_empty() => {
-                return Err(Error::invalid(format!(
-                    "{FILE} is empty (unset it, or name the JSON file to write)"
-                )))
-            }
-            Some(path) => Some(PathBuf::from(path)),
-        };
         Ok(BetaMonEnv {
-            enabled: switch(MONITOR, var(MONITOR))?,
-            verbose: switch(VERBOSE, var(VERBOSE))?,
+            enabled: vars.switch(MONITOR, false)?,
+            verbose: vars.switch(VERBOSE, false)?,
             thresholds,
-            file,
+            file: vars.path(FILE),
         })
-    }
-}
-
-/// An on/off variable: unset, empty, 0, off or false is off; 1, on or true is on.
-fn switch(name: &str, value: Option<String>) -> Result<bool> {
-    match value.as_deref().map(str::trim) {
-        None | Some("" | "0" | "off" | "false") => Ok(false),
-        Some("1" | "on" | "true") => Ok(true),
-        Some(other) => Err(Error::invalid(format!(
-            "{name} must be 1 or 0 (on/off, true/false), got {other:?}"
-        ))),
     }
 }
 
@@ -85,28 +61,30 @@ fn switch(name: &str, value: Option<String>) -> Result<bool> {
 mod tests {
     use super::*;
 
-    fn read(vars: &[(&str, &str)]) -> Result<BetaMonEnv> {
-        BetaMonEnv::from_vars(|name| {
-            vars.iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.to_string())
-        })
+    fn read(pairs: &[(&str, &[u8])]) -> Result<BetaMonEnv> {
+        BetaMonEnv::from_vars(env::table(pairs))
+    }
+
+    fn error(pairs: &[(&str, &[u8])]) -> String {
+        read(pairs).unwrap_err().to_string()
     }
 
     #[test]
-    fn unset_is_off_with_the_defaults() {
+    fn unset_or_empty_is_off_with_the_defaults() {
         assert_eq!(read(&[]).unwrap(), BetaMonEnv::default());
+        let empty = [MONITOR, VERBOSE, FLOOR, LOW, HIGH, FILE].map(|name| (name, &b""[..]));
+        assert_eq!(read(&empty).unwrap(), BetaMonEnv::default());
     }
 
     #[test]
     fn every_variable_is_read() {
         let env = read(&[
-            (MONITOR, "1"),
-            (VERBOSE, "on"),
-            (FLOOR, "0.9"),
-            (LOW, "0.25"),
-            (HIGH, "7"),
-            (FILE, "/tmp/beta.json"),
+            (MONITOR, b"1"),
+            (VERBOSE, b"1"),
+            (FLOOR, b"0.9"),
+            (LOW, b"0.25"),
+            (HIGH, b"7"),
+            (FILE, b"/tmp/beta.json"),
         ])
         .unwrap();
         assert!(env.enabled && env.verbose);
@@ -119,33 +97,61 @@ mod tests {
             }
         );
         assert_eq!(env.file, Some(PathBuf::from("/tmp/beta.json")));
-        assert!(!read(&[(MONITOR, "0")]).unwrap().enabled);
+        let off = read(&[(MONITOR, b"0"), (VERBOSE, b"0")]).unwrap();
+        assert!(!off.enabled && !off.verbose);
+        // A path needs no UTF-8.
+        use std::os::unix::ffi::OsStrExt;
+        let file = read(&[(FILE, env::NOT_UTF8)]).unwrap().file.unwrap();
+        assert_eq!(file.as_os_str().as_bytes(), env::NOT_UTF8);
     }
 
     #[test]
-    fn bad_values_name_the_variable() {
-        let err = |vars: &[(&str, &str)]| read(vars).unwrap_err().to_string();
-        let e = err(&[(MONITOR, "yes")]);
-        assert!(e.contains("TINYLOOP_BETA_MONITOR must be 1 or 0"), "{e}");
-        assert!(err(&[(VERBOSE, "2")]).contains(VERBOSE));
-        let e = err(&[(LOW, "-1")]);
+    fn bad_values_name_the_variable_and_value() {
+        for var in [MONITOR, VERBOSE] {
+            for bad in ["yes", "2", "On", "-1"] {
+                let e = error(&[(var, bad.as_bytes())]);
+                assert!(
+                    e.contains(&format!(
+                        "{var}={bad:?} is not accepted: expected 1, on or true"
+                    )),
+                    "{e}"
+                );
+            }
+        }
+        for var in [LOW, HIGH, FLOOR] {
+            for bad in ["lots", "nan", "inf"] {
+                let e = error(&[(var, bad.as_bytes())]);
+                assert!(
+                    e.contains(&format!(
+                        "{var}={bad:?} is not accepted: expected a finite number"
+                    )),
+                    "{e}"
+                );
+            }
+        }
+        for var in [MONITOR, VERBOSE, LOW, HIGH, FLOOR] {
+            let e = error(&[(var, env::NOT_UTF8)]);
+            assert!(
+                e.contains(&format!("{var}=\"1\\xFF\" is not valid UTF-8")),
+                "{e}"
+            );
+        }
+        let e = error(&[(LOW, b"-1")]);
         assert!(
-            e.contains("TINYLOOP_BETA_MON_LOW_ENTROPY_BITS must be a finite"),
+            e.contains(
+                "TINYLOOP_BETA_MON_LOW_ENTROPY_BITS must be a finite number of bits >= 0, got -1"
+            ),
             "{e}"
         );
-        assert!(
-            err(&[(HIGH, "lots")]).contains("TINYLOOP_BETA_MON_HIGH_ENTROPY_BITS must be a number")
-        );
-        let e = err(&[(LOW, "3"), (HIGH, "2")]);
+        let e = error(&[(LOW, b"3"), (HIGH, b"2")]);
         assert!(
             e.contains(LOW) && e.contains(HIGH) && e.contains("must not exceed"),
             "{e}"
         );
-        let e = err(&[(FLOOR, "1.5")]);
+        let e = error(&[(FLOOR, b"1.5")]);
         assert!(
-            e.contains("TINYLOOP_BETA_MON_AGREEMENT_FLOOR must be in [0, 1]"),
+            e.contains("TINYLOOP_BETA_MON_AGREEMENT_FLOOR must be in [0, 1], got 1.5"),
             "{e}"
         );
-        assert!(err(&[(FILE, "")]).contains("TINYLOOP_BETA_MON_FILE is empty"));
     }
 }

@@ -11,24 +11,26 @@ use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::{cache_dir, cache_file, cache_key, compile, load_nvrtc, nvrtc_version, pack, store};
-use super::{source_hash, unpack};
+use super::{cache_file, cache_key, compile, load_nvrtc, nvrtc_version, pack, store};
+use super::{source_hash, unpack, KernelOptions};
+use crate::env::Vars;
 use crate::error::{Error, Result};
 
 /// Where the shipped kernels live, relative to the folder of the library.
 const SUBDIR: &str = "tinyloop/kernels";
 
-fn file_name(arch: &str) -> String {
-    format!("tinyloop-{arch}-{:016x}.cubin", source_hash())
+fn file_name(arch: &str, defines: &[String]) -> String {
+    format!("tinyloop-{arch}-{:016x}.cubin", source_hash(defines))
 }
 
-/// The cubins shipped for `arch` with these kernel sources, and the file they were read from.
-pub(super) fn find(arch: &str) -> Option<(Vec<Vec<u8>>, PathBuf)> {
-    find_in(&search_dirs(), arch)
+/// The cubins shipped for `arch` with these kernel sources and extra `defines`, and the file
+/// they were read from.
+pub(super) fn find(arch: &str, defines: &[String]) -> Option<(Vec<Vec<u8>>, PathBuf)> {
+    find_in(&search_dirs(), arch, defines)
 }
 
-fn find_in(dirs: &[PathBuf], arch: &str) -> Option<(Vec<Vec<u8>>, PathBuf)> {
-    let name = file_name(arch);
+fn find_in(dirs: &[PathBuf], arch: &str, defines: &[String]) -> Option<(Vec<Vec<u8>>, PathBuf)> {
+    let name = file_name(arch, defines);
     dirs.iter().find_map(|dir| {
         let path = dir.join(&name);
         let cubins = unpack(&std::fs::read(&path).ok()?)?;
@@ -80,7 +82,8 @@ fn this_object() -> Option<PathBuf> {
 
 /// Compile every kernel program for `arch` (e.g. `sm_90`) with NVRTC and write the file that
 /// [`find`] looks for into `dir`; returns its path. Cubins already in the disk cache for this
-/// NVRTC are reused, and fresh ones are cached.
+/// NVRTC are reused, and fresh ones are cached. The kernel variables of the process environment
+/// apply as when a model opens.
 pub fn ship(arch: &str, dir: &Path) -> Result<PathBuf> {
     let digits = arch.strip_prefix("sm_").unwrap_or_default();
     let digits = digits.strip_suffix('a').unwrap_or(digits);
@@ -89,9 +92,9 @@ pub fn ship(arch: &str, dir: &Path) -> Result<PathBuf> {
             "architecture {arch:?}: expected sm_ and the compute capability, e.g. sm_90"
         )));
     }
+    let KernelOptions { cache, defines } = KernelOptions::from_vars(Vars::process())?;
     load_nvrtc()?;
-    let key = cache_key(arch, nvrtc_version()?);
-    let cache = cache_dir();
+    let key = cache_key(arch, nvrtc_version()?, &defines);
     let cached = cache
         .as_ref()
         .and_then(|d| std::fs::read(cache_file(d, &key)).ok())
@@ -99,7 +102,7 @@ pub fn ship(arch: &str, dir: &Path) -> Result<PathBuf> {
     let cubins = match cached {
         Some(cubins) => cubins,
         None => {
-            let cubins = compile(arch)?;
+            let cubins = compile(arch, &defines)?;
             if let Some(cache) = &cache {
                 // A cache that cannot be written only costs a later compile.
                 let _ = store(cache, &key, &pack(&cubins), None);
@@ -117,8 +120,9 @@ pub fn ship(arch: &str, dir: &Path) -> Result<PathBuf> {
         path: dir.to_path_buf(),
         source,
     })?;
-    let path = dir.join(file_name(arch));
-    let tmp = dir.join(format!(".{}.{}.tmp", file_name(arch), std::process::id()));
+    let name = file_name(arch, &defines);
+    let path = dir.join(&name);
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     write(&tmp, &pack(&cubins))?;
     std::fs::rename(&tmp, &path).map_err(|source| Error::Write {
         path: path.clone(),
@@ -134,10 +138,10 @@ mod tests {
     #[test]
     fn file_name_holds_arch_and_source_hash_only() {
         assert_eq!(
-            file_name("sm_90"),
-            format!("tinyloop-sm_90-{:016x}.cubin", source_hash())
+            file_name("sm_90", &[]),
+            format!("tinyloop-sm_90-{:016x}.cubin", source_hash(&[]))
         );
-        assert_ne!(file_name("sm_80"), file_name("sm_90"));
+        assert_ne!(file_name("sm_80", &[]), file_name("sm_90", &[]));
     }
 
     #[test]
@@ -160,16 +164,18 @@ mod tests {
         let cubins: Vec<Vec<u8>> = (0..super::super::PROGRAMS.len())
             .map(|i| vec![i as u8; 3])
             .collect();
-        let path = dir.join(file_name("sm_90"));
+        let path = dir.join(file_name("sm_90", &[]));
         std::fs::write(&path, pack(&cubins)).unwrap();
-        let found = find_in(&dirs, "sm_90");
-        let other_arch = find_in(&dirs, "sm_80");
+        let found = find_in(&dirs, "sm_90", &[]);
+        let other_arch = find_in(&dirs, "sm_80", &[]);
+        let other_defines = find_in(&dirs, "sm_90", &["-DX".into()]);
         // A truncated file is not a shipped kernel set.
         std::fs::write(&path, &pack(&cubins)[..20]).unwrap();
-        let truncated = find_in(&dirs, "sm_90");
+        let truncated = find_in(&dirs, "sm_90", &[]);
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(found, Some((cubins, path)));
         assert_eq!(other_arch, None);
+        assert_eq!(other_defines, None);
         assert_eq!(truncated, None);
     }
 
