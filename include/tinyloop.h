@@ -134,7 +134,8 @@ typedef struct tl_generate_params {
     // their defaults); other smaller values are rejected; larger values are accepted and the
     // extra bytes ignored.
     size_t struct_size;
-    // Tokens to generate, >= 1. Default 128. The output buffer must hold this many.
+    // Tokens to generate at most, >= 1 (fewer when the sequence reaches max_seq_len first).
+    // Default 128. The output buffer must hold this many.
     uint32_t max_tokens;
     // Loop iterations, 1..=max_loops, or TL_LOOPS_DEFAULT (-1, the default) for the model's
     // default_loops. 0 and other negative values are rejected.
@@ -481,13 +482,14 @@ enum tl_status tl_session_cancel(const struct tl_session *session);
 
 // Generate up to `params->max_tokens` tokens after the prompt `tokens[0..n_tokens]` on the
 // model's default session (greedy by default; `params` NULL = defaults), after the prefix of
-// `params->prefix_cache` when it is set. On success the new tokens (stop token excluded) are
-// in `out[0..*len]`. `cap` must be >= max_tokens, else `TL_ERR_BUFFER_TOO_SMALL` with `*len =
-// max_tokens` before any work.
+// `params->prefix_cache` when it is set. Generation also stops when the sequence (prefix,
+// prompt and new tokens) reaches max_seq_len. On success the new tokens (stop token excluded)
+// are in `out[0..*len]`. `cap` must be >= max_tokens, else `TL_ERR_BUFFER_TOO_SMALL` with
+// `*len = max_tokens` before any work.
 //
 // Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, empty prompt, negative token or token >=
-// vocab_size, bad params, prompt + max_tokens (+ the prefix) > max_seq_len, a prefix cache of
-// another model or built at other loops), `TL_ERR_BUSY` (another call on this model is
+// vocab_size, bad params, a prompt (+ the prefix) that leaves no room in max_seq_len, a prefix
+// cache of another model or built at other loops), `TL_ERR_BUSY` (another call on this model is
 // running), `TL_ERR_CANCELLED` (`tl_cancel`), `TL_ERR_CLOSED` (the model, or the prefix cache).
 //
 // Ownership: the caller owns all buffers; nothing is retained after the call.

@@ -113,7 +113,8 @@ impl Default for ModelOptions {
 /// Parameters of a generation call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenerateParams {
-    /// Tokens to generate (≥ 1).
+    /// Tokens to generate at most (≥ 1): generation also stops when the sequence reaches the
+    /// model's `max_seq_len`.
     pub max_tokens: usize,
     /// Loop iterations; `None` uses the model's `default_loops`.
     pub loops: Option<usize>,

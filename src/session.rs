@@ -434,7 +434,9 @@ impl Session {
         Ok(())
     }
 
-    /// Validate a generation call after `prefix` cached tokens and resolve its request.
+    /// Validate a generation call after `prefix` cached tokens and resolve its request. Any
+    /// `max_tokens` ≥ 1 is accepted: generation also stops when the sequence reaches
+    /// `max_seq_len`, so the request asks for at most the tokens that fit.
     fn request(
         &self,
         prompt: &[u32],
@@ -447,23 +449,25 @@ impl Session {
             return Err(Error::invalid("max_tokens must be >= 1"));
         }
         let max_seq = self.shared.options.max_seq_len;
-        if prefix + prompt.len() + params.max_tokens > max_seq {
+        // Both terms are at most max_seq (a prefix cache is shorter, check_tokens bounds the
+        // prompt), so the sum cannot overflow.
+        let room = max_seq.saturating_sub(prefix + prompt.len());
+        if room == 0 {
             let cached = if prefix > 0 {
                 format!("a prefix of {prefix} tokens + ")
             } else {
                 String::new()
             };
             return Err(Error::invalid(format!(
-                "{cached}prompt of {} tokens + max_tokens {} exceeds max_seq_len {max_seq}",
+                "{cached}prompt of {} tokens leaves no room to generate in max_seq_len {max_seq}",
                 prompt.len(),
-                params.max_tokens
             )));
         }
         for &t in &params.stop_tokens {
             self.check_token(t, "stop token")?;
         }
         Ok(GenerateRequest {
-            max_tokens: params.max_tokens,
+            max_tokens: params.max_tokens.min(room),
             loops,
             sampling: params.sampling,
             stop_tokens: params.stop_tokens.clone(),

@@ -199,14 +199,17 @@ fn bad_input_exits_with_one_clear_line() {
         ),
         (
             vec![&m, "generate", "--tokens", "1,999"],
-            "out of range for vocab_size 256",
+            "token id 999 is outside 0 to 255 (vocab_size 256)",
         ),
         (
             vec![&m, "generate", "--prompt", "x", "--loops", "0"],
-            "loops must be in",
+            "--loops <LOOPS>': expected an integer from 1 to 64",
         ),
         (vec![&m, "generate", "--prompt", ""], "empty token sequence"),
-        (vec![&m, "generate", "--tokens", "-4"], "negative"),
+        (
+            vec![&m, "generate", "--tokens", "-4"],
+            "token id -4 is outside",
+        ),
         (
             vec![&m, "generate", "--prompt", "x", "--temperature", "-1"],
             "temperature",
@@ -227,7 +230,7 @@ fn bad_input_exits_with_one_clear_line() {
             vec![
                 "synth", "--preset", "tiny", "--bits", "3", "--out", "/tmp/x",
             ],
-            "bit width 3",
+            "'3' for '--bits <BITS>': expected 16, 4 or 2",
         ),
     ];
     for (args, expected) in cases {
@@ -334,40 +337,67 @@ fn argument_errors_exit_1_with_one_line() {
 }
 
 #[test]
-fn negative_counts_say_they_must_be_non_negative() {
+fn counts_out_of_range_state_the_accepted_range() {
     let m = model();
-    let cases: Vec<Vec<&str>> = vec![
-        vec![&m, "generate", "--prompt", "x", "--max-tokens", "-5"],
-        vec![&m, "generate", "--prompt", "x", "--loops", "-1"],
-        vec![&m, "generate", "--prompt", "x", "--seed", "-3"],
-        vec![&m, "score", "--text", "xyz", "--window", "-2"],
-        vec![&m, "bench", "--repeats", "-1"],
+    let cases: Vec<(Vec<&str>, &str)> =
         vec![
-            "synth",
-            "--preset",
-            "tiny",
-            "--group-size",
-            "-32",
-            "--out",
-            "/tmp/x",
-        ],
+        (
+            vec![&m, "generate", "--prompt", "x", "--max-tokens", "-5"],
+            "invalid value '-5' for '--max-tokens <MAX_TOKENS>': expected an integer ≥ 1",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--loops", "-1"],
+            "invalid value '-1' for '--loops <LOOPS>': expected an integer from 1 to 64",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--loops", "0"],
+            "invalid value '0' for '--loops <LOOPS>': expected an integer from 1 to 64",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--loops", "65"],
+            "invalid value '65' for '--loops <LOOPS>': expected an integer from 1 to 64",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--seed", "-3"],
+            "invalid value '-3' for '--seed <SEED>': expected an integer ≥ 0",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--draft-loops", "2", "--draft-len", "16"],
+            "invalid value '16' for '--draft-len <K>': expected an integer from 1 to 15",
+        ),
+        (
+            vec![&m, "score", "--text", "xyz", "--window", "-2"],
+            "invalid value '-2' for '--window <WINDOW>': expected an integer ≥ 2",
+        ),
+        (
+            vec![&m, "bench", "--repeats", "18446744073709551615"],
+            "invalid value '18446744073709551615' for '--repeats <REPEATS>': expected an integer \
+             from 1 to 10000",
+        ),
+        (
+            vec![&m, "requantize", "--loop-body-bits", "3", "--out", "/tmp/x"],
+            "invalid value '3' for '--loop-body-bits <BITS>': expected 2 or 4",
+        ),
+        (
+            vec!["synth", "--preset", "tiny", "--group-size", "-32", "--out", "/tmp/x"],
+            "invalid value '-32' for '--group-size <GROUP_SIZE>': expected an integer ≥ 0",
+        ),
+        (
+            vec!["synth", "--preset", "tiny", "--bits", "8", "--out", "/tmp/x"],
+            "invalid value '8' for '--bits <BITS>': expected 16, 4 or 2",
+        ),
     ];
-    for args in cases {
-        let flag = args[args.len() - 2];
-        let flag = if flag == "--out" {
-            "--group-size"
-        } else {
-            flag
-        };
-        let expected = format!("{flag} must be ≥ 0");
-        assert_one_line_error(&tinyloop(&args), &format!("{args:?}"), &expected);
+    for (args, expected) in cases {
+        assert_one_line_error(&tinyloop(&args), &format!("{args:?}"), expected);
     }
-    // Token ids are values of a list, checked by the command itself.
-    assert_one_line_error(
-        &tinyloop(&[&m, "generate", "--tokens", "5,-4"]),
-        "negative token",
-        "token id -4 is negative (must be ≥ 0)",
-    );
+    // Token ids are values of a list, checked against the model's vocabulary.
+    for id in ["-4", "256", "4294967298"] {
+        assert_one_line_error(
+            &tinyloop(&[&m, "generate", "--tokens", &format!("5,{id}")]),
+            "token id",
+            &format!("--tokens: token id {id} is outside 0 to 255 (vocab_size 256)"),
+        );
+    }
 }
 
 #[test]

@@ -4,69 +4,11 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tinyloop::convert::{convert, Checkpoint, ConvertOptions, Method};
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::preset;
 use tinyloop::{Error, Model};
-
-/// A checkpoint of random f32 tensors for `preset_name`, plus its config file. Every call
-/// writes new files: the converter maps the checkpoint, so rewriting a file another test has
-/// mapped would fault that test.
-fn checkpoint(preset_name: &str, drop: Option<&str>, extra: Option<&str>) -> (PathBuf, PathBuf) {
-    let dir = common::scratch("convert");
-    let config = preset(preset_name).unwrap();
-    let mut data: HashMap<String, (Vec<usize>, Vec<u8>)> = HashMap::new();
-    let mut state = 1u64;
-    for spec in expected_tensors(&config) {
-        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
-        let n: usize = shape.iter().product();
-        let scale = if spec.name.ends_with("norm") {
-            0.0
-        } else {
-            1.0 / (shape[shape.len() - 1] as f32).sqrt()
-        };
-        let bytes = (0..n)
-            .flat_map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                (1.0 + scale * u * 3.0 - if scale > 0.0 { 1.0 } else { 0.0 }).to_le_bytes()
-            })
-            .collect();
-        data.insert(spec.name.clone(), (shape, bytes));
-    }
-    if let Some(name) = drop {
-        data.remove(name);
-    }
-    if let Some(name) = extra {
-        data.insert(name.to_string(), (vec![2], vec![0; 8]));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = data
-        .iter()
-        .map(|(k, (shape, bytes))| {
-            (
-                k.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .unwrap(),
-            )
-        })
-        .collect();
-    static CALLS: AtomicUsize = AtomicUsize::new(0);
-    let tag = format!(
-        "{preset_name}-{}-{}-{}",
-        drop.unwrap_or(""),
-        extra.unwrap_or(""),
-        CALLS.fetch_add(1, Ordering::Relaxed)
-    );
-    let st = dir.join(format!("{tag}.safetensors"));
-    safetensors::serialize_to_file(views, None, &st).unwrap();
-    let cfg = dir.join(format!("{tag}.json"));
-    std::fs::write(&cfg, serde_json::to_string(&config).unwrap()).unwrap();
-    (st, cfg)
-}
 
 fn options(st: PathBuf, cfg: PathBuf, bits: u32, method: Method, out: &str) -> ConvertOptions {
     ConvertOptions {
@@ -86,7 +28,7 @@ fn options(st: PathBuf, cfg: PathBuf, bits: u32, method: Method, out: &str) -> C
 
 #[test]
 fn rtn_and_gptq_conversions_load_and_agree_with_f16() {
-    let (st, cfg) = checkpoint("tiny-gqa", None, None);
+    let (st, cfg) = common::checkpoint("tiny-gqa", None, None);
     let input = common::tokens(12, 256, 5);
     let mut logits = HashMap::new();
     for (bits, method, name) in [
@@ -137,7 +79,7 @@ fn rtn_and_gptq_conversions_load_and_agree_with_f16() {
 
 #[test]
 fn missing_tensor_is_named() {
-    let (st, cfg) = checkpoint("tiny", Some("loop.0.mlp_up"), None);
+    let (st, cfg) = common::checkpoint("tiny", Some("loop.0.mlp_up"), None);
     let err = convert(&options(st, cfg, 4, Method::Rtn, "missing.tinyloop")).unwrap_err();
     assert!(
         matches!(&err, Error::Format(m) if m.contains("no tensor loop.0.mlp_up")),
@@ -147,7 +89,7 @@ fn missing_tensor_is_named() {
 
 #[test]
 fn unknown_tensor_is_named() {
-    let (st, cfg) = checkpoint("tiny", None, Some("lm_head.weight"));
+    let (st, cfg) = common::checkpoint("tiny", None, Some("lm_head.weight"));
     let err = convert(&options(st, cfg, 4, Method::Rtn, "extra.tinyloop")).unwrap_err();
     assert!(err.to_string().contains("lm_head.weight"), "{err}");
 }
@@ -155,15 +97,15 @@ fn unknown_tensor_is_named() {
 #[test]
 fn shape_mismatch_is_named() {
     // The checkpoint is tiny-tied (no pre blocks) but the config claims tiny.
-    let (st, _) = checkpoint("tiny", None, None);
-    let (_, other_cfg) = checkpoint("small", None, None);
+    let (st, _) = common::checkpoint("tiny", None, None);
+    let (_, other_cfg) = common::checkpoint("small", None, None);
     let err = convert(&options(st, other_cfg, 4, Method::Rtn, "shape.tinyloop")).unwrap_err();
     assert!(err.to_string().contains("checkpoint shape"), "{err}");
 }
 
 #[test]
 fn gptq_without_calibration_is_an_error() {
-    let (st, cfg) = checkpoint("tiny", None, None);
+    let (st, cfg) = common::checkpoint("tiny", None, None);
     let mut opts = options(st, cfg, 4, Method::Gptq, "nocalib.tinyloop");
     opts.calibration.clear();
     let err = convert(&opts).unwrap_err();
@@ -172,7 +114,7 @@ fn gptq_without_calibration_is_an_error() {
 
 #[test]
 fn converted_model_generates() {
-    let (st, cfg) = checkpoint("tiny", None, None);
+    let (st, cfg) = common::checkpoint("tiny", None, None);
     let opts = options(st, cfg, 2, Method::Rtn, "gen.tinyloop");
     convert(&opts).unwrap();
     let model = Model::open(&opts.out, &common::cpu_options()).unwrap();
@@ -263,7 +205,7 @@ fn values_outside_the_f16_range_are_named() {
 
 #[test]
 fn unsupported_group_sizes_and_windows_are_named() {
-    let (st, cfg) = checkpoint("tiny", None, None);
+    let (st, cfg) = common::checkpoint("tiny", None, None);
     let mut opts = options(st, cfg, 4, Method::Rtn, "group.tinyloop");
     opts.group_size = 3;
     let err = convert(&opts).unwrap_err();
@@ -287,7 +229,7 @@ fn unsupported_group_sizes_and_windows_are_named() {
 /// metadata says); sizes that fit are recorded as given.
 #[test]
 fn group_sizes_above_a_tensor_s_columns_are_refused_and_metadata_is_truthful() {
-    let (st, cfg) = checkpoint("tiny", None, None);
+    let (st, cfg) = common::checkpoint("tiny", None, None);
     let mut opts = options(st, cfg, 4, Method::Rtn, "g128.tinyloop");
     opts.group_size = 128;
     let err = convert(&opts).unwrap_err().to_string();
@@ -323,7 +265,7 @@ fn group_sizes_above_a_tensor_s_columns_are_refused_and_metadata_is_truthful() {
 /// smaller: a model of 256 positions converts without naming a window.
 #[test]
 fn gptq_default_window_fits_the_model_s_positions() {
-    let (st, _) = checkpoint("tiny", None, None);
+    let (st, _) = common::checkpoint("tiny", None, None);
     let config = tinyloop::ModelConfig {
         max_position: 256,
         ..preset("tiny").unwrap()

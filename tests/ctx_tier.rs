@@ -483,7 +483,11 @@ fn cli_reports_tiers_only_when_asked() {
         &[],
     );
     assert_eq!(bad.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("long_bits must be 2"));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("invalid value '4' for '--ctx-tier-long-bits <BITS>': expected 2"),
+        "{stderr}"
+    );
 }
 
 #[test]

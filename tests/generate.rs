@@ -296,7 +296,10 @@ fn bad_inputs_are_clear_errors() {
             s.generate(&ok, &greedy(4, 65)),
         ),
         ("max_tokens must be >= 1", s.generate(&ok, &greedy(0, 2))),
-        ("exceeds max_seq_len 256", s.generate(&ok, &greedy(253, 2))),
+        (
+            "prompt of 256 tokens leaves no room to generate in max_seq_len 256",
+            s.generate(&tokens(256, 256, 0), &greedy(1, 2)),
+        ),
         (
             "257 tokens exceed max_seq_len 256",
             s.score_last(&tokens(257, 256, 0), None).map(|_| vec![]),

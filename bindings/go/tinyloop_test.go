@@ -284,6 +284,14 @@ func TestLogprobsDecodeEqualsLogprobsOnCPU(t *testing.T) {
 	}
 }
 
+func TestGenerationStopsAtMaxSeqLen(t *testing.T) {
+	m := open(t, 64)
+	toks, err := m.Generate(context.Background(), prompt, gen(60))
+	if err != nil || len(toks) != 64-len(prompt) {
+		t.Fatalf("Generate(MaxTokens 60) with max_seq_len 64: %d tokens, %v", len(toks), err)
+	}
+}
+
 func TestInvalidArguments(t *testing.T) {
 	m := open(t, 64)
 	ctx := context.Background()
@@ -302,7 +310,7 @@ func TestInvalidArguments(t *testing.T) {
 		{"loops 0", prompt, func(o *GenerateOptions) { o.Loops = 0 }},
 		{"loops above max", prompt, func(o *GenerateOptions) { o.Loops = 65 }},
 		{"max_tokens 0", prompt, func(o *GenerateOptions) { o.MaxTokens = 0 }},
-		{"prompt + max_tokens > max_seq_len", prompt, func(o *GenerateOptions) { o.MaxTokens = 60 }},
+		{"prompt fills max_seq_len", make([]int32, 64), nil},
 		{"stop token >= vocab", prompt, func(o *GenerateOptions) { o.Stop = []int32{300} }},
 	}
 	for _, c := range cases {

@@ -9,16 +9,62 @@ use std::time::Instant;
 #[path = "tinyloop/position_buckets.rs"]
 mod position_buckets;
 
-use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use position_buckets::{BucketEdges, PositionBuckets};
 use serde_json::json;
+use tinyloop::env;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
     BetaMonEnv, BetaMonitor, CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats,
     KvMode, Model, ModelOptions, Result, SamplingParams, Speculation, DEFAULT_MAX_SEQ_LEN,
+    MAX_DRAFT_LEN,
 };
+
+/// No upper bound on a whole-number option but its type's.
+const MAX: u64 = u64::MAX;
+/// The most timed repetitions of `bench`: its medians have long settled by then.
+const MAX_REPEATS: u64 = 10_000;
+/// Bit widths of block weights (`synth`, `convert`).
+const WEIGHT_BITS: [u64; 3] = [16, 4, 2];
+
+/// A parser of a whole-number option that accepts `lo..=hi`: a value outside (negative ones
+/// included) or not a number is an error that states the range, after clap's naming of the
+/// option and the value.
+fn whole<T: TryFrom<u64> + Clone + Send + Sync + 'static>(
+    lo: u64,
+    hi: u64,
+) -> impl Fn(&str) -> std::result::Result<T, String> + Clone + Send + Sync + 'static {
+    move |text| {
+        env::decimal(text)
+            .filter(|n| (lo..=hi).contains(n))
+            .and_then(|n| T::try_from(n).ok())
+            .ok_or_else(|| format!("expected {}", env::integers(&(lo..=hi))))
+    }
+}
+
+/// [`whole`] for an option that accepts only the listed values.
+fn one_of<T: TryFrom<u64> + Clone + Send + Sync + 'static>(
+    values: &'static [u64],
+) -> impl Fn(&str) -> std::result::Result<T, String> + Clone + Send + Sync + 'static {
+    move |text| {
+        env::decimal(text)
+            .filter(|n| values.contains(n))
+            .and_then(|n| T::try_from(n).ok())
+            .ok_or_else(|| format!("expected {}", env::either(values)))
+    }
+}
+
+/// `--loops` and `--resume-from`: 1 to the `max_loops` the command opens models with.
+fn loop_count() -> impl Fn(&str) -> std::result::Result<usize, String> + Clone + Send + Sync {
+    whole(1, ModelOptions::default().max_loops as u64)
+}
+
+/// `--draft-loops`: below the verify loops, so at most `max_loops - 1`.
+fn draft_loop_count() -> impl Fn(&str) -> std::result::Result<usize, String> + Clone + Send + Sync {
+    whole(1, ModelOptions::default().max_loops as u64 - 1)
+}
 
 #[derive(Parser)]
 #[command(
@@ -62,7 +108,7 @@ enum ModelCommand {
     /// dequantized weights at the same group size); every other tensor is copied unchanged.
     Requantize {
         /// Bit width of the loop body in the copy: 2 or 4.
-        #[arg(long, value_name = "BITS")]
+        #[arg(long, value_name = "BITS", value_parser = one_of::<u32>(&[2, 4]))]
         loop_body_bits: u32,
         /// Where to write the copy (not the input file).
         #[arg(long)]
@@ -76,11 +122,11 @@ struct CommonArgs {
     #[arg(long)]
     device: Option<Device>,
     /// Loop iterations (default: the model's default_loops).
-    #[arg(long)]
+    #[arg(long, value_parser = loop_count())]
     loops: Option<usize>,
     /// Upper bound on prompt + generated tokens, at most the model's max_position (default:
     /// 2048, or max_position when that is smaller).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(1, MAX))]
     max_seq_len: Option<usize>,
     /// KV cache mode: fp16, fp16-h, int8-h, int4-h, int8, delta, age or age:A:B (default:
     /// TINYLOOP_KV_INT8=1 → int8, TINYLOOP_KV_DELTA=1 → delta, else fp16).
@@ -88,7 +134,7 @@ struct CommonArgs {
     kv: Option<KvMode>,
     /// Prefill prompts in steps of N tokens (0: the whole prompt in one step). Score windows
     /// must then be at most N tokens.
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = whole::<usize>(0, MAX))]
     prefill_chunk: usize,
     /// Print machine-readable JSON.
     #[arg(long)]
@@ -114,7 +160,7 @@ struct GenerateArgs {
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
     /// Tokens to generate after the prompt.
-    #[arg(long, value_name = "N", default_value_t = 128)]
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = whole::<usize>(1, MAX))]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -135,14 +181,14 @@ struct CtxTierArgs {
     ctx_tier: bool,
     /// Back to INT4 on a call whose first step leaves the sequence shorter than N tokens
     /// (default: TINYLOOP_CTX_TIER_SHORT_T, else 512).
-    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    #[arg(long, value_name = "N", requires = "ctx_tier", value_parser = whole::<usize>(1, MAX))]
     ctx_tier_short_t: Option<usize>,
     /// To INT2 once the sequence reaches N tokens (default: TINYLOOP_CTX_TIER_LONG_T, else
     /// 2048).
-    #[arg(long, value_name = "N", requires = "ctx_tier")]
+    #[arg(long, value_name = "N", requires = "ctx_tier", value_parser = whole::<usize>(1, MAX))]
     ctx_tier_long_t: Option<usize>,
     /// Bits of the loop body at LONG (only 2).
-    #[arg(long, value_name = "BITS", requires = "ctx_tier")]
+    #[arg(long, value_name = "BITS", requires = "ctx_tier", value_parser = one_of::<u32>(&[2]))]
     ctx_tier_long_bits: Option<u32>,
 }
 
@@ -215,10 +261,16 @@ impl BetaMonArgs {
 #[derive(Args)]
 struct SpeculationArgs {
     /// Draft tokens at this many loop iterations (below --loops) and verify them in one step.
-    #[arg(long, value_name = "D")]
+    #[arg(long, value_name = "D", value_parser = draft_loop_count())]
     draft_loops: Option<usize>,
     /// Tokens drafted per verify step (with --draft-loops).
-    #[arg(long, value_name = "K", default_value_t = 4, requires = "draft_loops")]
+    #[arg(
+        long,
+        value_name = "K",
+        default_value_t = 4,
+        requires = "draft_loops",
+        value_parser = whole::<usize>(1, MAX_DRAFT_LEN as u64)
+    )]
     draft_len: usize,
     /// Verify by recomputing every block application (the baseline) instead of continuing from
     /// the draft's KV and hidden state (with --draft-loops).
@@ -254,7 +306,13 @@ struct LensArgs {
     #[command(flatten)]
     input: InputArgs,
     /// Most likely tokens shown per iteration (the --json output has every logit).
-    #[arg(long, value_name = "K", default_value_t = 5, conflicts_with = "json")]
+    #[arg(
+        long,
+        value_name = "K",
+        default_value_t = 5,
+        conflicts_with = "json",
+        value_parser = whole::<usize>(0, MAX)
+    )]
     top: usize,
 }
 
@@ -265,14 +323,14 @@ struct SamplingArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample among the K most likely tokens (default 0: every token; with --temperature).
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", value_parser = whole::<usize>(0, MAX))]
     top_k: Option<usize>,
     /// Sample among the most likely tokens whose probabilities reach P, in (0, 1] (default 1:
     /// every token; with --temperature).
     #[arg(long, value_name = "P", allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Seed of the sampler (default 0; with --temperature).
-    #[arg(long, value_name = "S")]
+    #[arg(long, value_name = "S", value_parser = whole::<u64>(0, MAX))]
     seed: Option<u64>,
 }
 
@@ -317,10 +375,10 @@ struct ScoreArgs {
     )]
     tokens: Option<Vec<i64>>,
     /// Tokens per scored window; long inputs are split into independent windows.
-    #[arg(long, value_name = "N", default_value_t = 512)]
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = whole::<usize>(2, MAX))]
     window: usize,
     /// Score only the first N tokens of the input.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(2, MAX))]
     limit: Option<usize>,
     /// Also report the NLL per range of positions inside the window: edges `128,256` give
     /// [0, 128), [128, 256) and, for longer windows, [256, window).
@@ -339,13 +397,13 @@ struct BenchArgs {
     #[command(flatten)]
     common: CommonArgs,
     /// Tokens of the (fixed pseudo-random) prompt.
-    #[arg(long, value_name = "N", default_value_t = 128)]
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = whole::<usize>(1, MAX))]
     prompt_len: usize,
     /// Tokens generated per run (at least 2: decode time is measured between tokens).
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = whole::<usize>(2, MAX))]
     gen_len: usize,
     /// Timed repetitions; medians are reported.
-    #[arg(long, value_name = "N", default_value_t = 5)]
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = whole::<usize>(1, MAX_REPEATS))]
     repeats: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -354,10 +412,15 @@ struct BenchArgs {
     #[command(flatten)]
     beta_mon: BetaMonArgs,
     /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
-    #[arg(long, value_name = "N", conflicts_with_all = ["resume_from", "draft_loops"])]
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with_all = ["resume_from", "draft_loops"],
+        value_parser = whole::<usize>(1, MAX)
+    )]
     prefix_cache: Option<usize>,
     /// Run the prompt once at L loops into a resume handle and time resuming it at --loops.
-    #[arg(long, value_name = "L", conflicts_with = "draft_loops")]
+    #[arg(long, value_name = "L", conflicts_with = "draft_loops", value_parser = loop_count())]
     resume_from: Option<usize>,
     /// Also time a score call (logits for every prompt position) over the prompt.
     #[arg(long)]
@@ -381,14 +444,14 @@ enum ToolCommand {
         #[arg(long)]
         preset: String,
         /// Seed of the random weights; the same seed writes the same file.
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, value_parser = whole::<u64>(0, MAX))]
         seed: u64,
         /// Bit width of block weights: 4, 2 or 16.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = one_of::<u32>(&WEIGHT_BITS))]
         bits: u32,
         /// Quantization group size of 4 and 2 bits (default 128, or a tensor's columns when it
         /// has fewer); 0 means one group per row.
-        #[arg(long, value_name = "G")]
+        #[arg(long, value_name = "G", value_parser = whole::<usize>(0, MAX))]
         group_size: Option<usize>,
         /// Where to write the model.
         #[arg(long)]
@@ -421,11 +484,11 @@ struct ConvertArgs {
     #[arg(long)]
     out: PathBuf,
     /// Bit width of block weights: 16, 4 or 2.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = one_of::<u32>(&WEIGHT_BITS))]
     bits: u32,
     /// Quantization group size of 4 and 2 bits (default 128); it must divide every block
     /// linear's columns. 0 means one group per row.
-    #[arg(long, value_name = "G")]
+    #[arg(long, value_name = "G", value_parser = whole::<usize>(0, MAX))]
     group_size: Option<usize>,
     /// rtn (round to nearest) or gptq (needs --calib; 4 and 2 bits).
     #[arg(long, default_value = "rtn")]
@@ -434,14 +497,20 @@ struct ConvertArgs {
     #[arg(long, value_name = "FILE")]
     calib: Option<PathBuf>,
     /// Use at most this many bytes of the calibration text (with --calib).
-    #[arg(long, value_name = "N", default_value_t = 32768, requires = "calib")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 32768,
+        requires = "calib",
+        value_parser = whole::<usize>(2, MAX)
+    )]
     calib_bytes: usize,
     /// Loop iterations while calibrating (default: the config's default_loops; with --calib).
-    #[arg(long, value_name = "L", requires = "calib")]
+    #[arg(long, value_name = "L", requires = "calib", value_parser = loop_count())]
     calib_loops: Option<usize>,
     /// Tokens per calibration window (default: 512, or the config's max_position when that is
     /// smaller; with --calib).
-    #[arg(long, value_name = "N", requires = "calib")]
+    #[arg(long, value_name = "N", requires = "calib", value_parser = whole::<usize>(2, MAX))]
     window: Option<usize>,
     /// Tokenizer name stored in the metadata (default: "bytes" for vocab 256).
     #[arg(long)]
@@ -502,8 +571,8 @@ fn with_negative_values(command: clap::Command) -> clap::Command {
         .mut_subcommands(with_negative_values)
 }
 
-/// One line for a clap error: a negative count or a non-UTF-8 value says so; otherwise clap's
-/// message without the usage block.
+/// One line for a clap error: a non-UTF-8 value says so; otherwise clap's message without the
+/// usage block.
 fn argument_error(e: &clap::Error, args: &[OsString]) -> String {
     if e.kind() == ErrorKind::InvalidUtf8 {
         let at = args.iter().position(|a| a.to_str().is_none()).unwrap_or(0);
@@ -513,21 +582,6 @@ fn argument_error(e: &clap::Error, args: &[OsString]) -> String {
             }
             _ => format!("argument {at} is not valid UTF-8"),
         };
-    }
-    if e.kind() == ErrorKind::ValueValidation {
-        if let (Some(ContextValue::String(arg)), Some(ContextValue::String(value))) = (
-            e.get(ContextKind::InvalidArg),
-            e.get(ContextKind::InvalidValue),
-        ) {
-            let negative = value
-                .strip_prefix('-')
-                .is_some_and(|v| v.parse::<f64>().is_ok());
-            if negative {
-                // `arg` reads "--name <NAME>"; the flag is enough.
-                let flag = arg.split(' ').next().unwrap_or(arg);
-                return format!("{flag} must be ≥ 0, got {value}");
-            }
-        }
     }
     let text = e.render().to_string();
     let message = text
@@ -747,17 +801,20 @@ fn utf8<'a>(text: &'a OsStr, flag: &str) -> Result<&'a str> {
     })
 }
 
-fn parse_tokens(ids: &[i64]) -> Result<Vec<u32>> {
+/// `--tokens` of a model: ids from 0 to vocab_size - 1.
+fn parse_tokens(ids: &[i64], model: &Model) -> Result<Vec<u32>> {
+    let vocab = model.config().vocab_size;
     ids.iter()
         .map(|&t| {
-            u32::try_from(t).map_err(|_| {
-                let why = if t < 0 {
-                    "is negative (must be ≥ 0)"
-                } else {
-                    "is too large"
-                };
-                Error::InvalidArgument(format!("token id {t} {why}"))
-            })
+            u32::try_from(t)
+                .ok()
+                .filter(|&id| (id as usize) < vocab)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "--tokens: token id {t} is outside 0 to {} (vocab_size {vocab})",
+                        vocab - 1
+                    ))
+                })
         })
         .collect()
 }
@@ -816,11 +873,10 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         ctx_tier: args.ctx_tier.policy()?,
         beta_monitor: args.beta_mon.monitor(),
     };
-    let prompt_ids = args.tokens.as_deref().map(parse_tokens).transpose()?;
     let model = open(path, &args.common)?;
-    let prompt = match (&args.prompt, prompt_ids) {
+    let prompt = match (&args.prompt, &args.tokens) {
         (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
-        (None, Some(ids)) => ids,
+        (None, Some(ids)) => parse_tokens(ids, &model)?,
         (None, None) => unreachable!("clap requires --prompt or --tokens"),
     };
     let mut session = model.new_session()?;
@@ -939,11 +995,10 @@ fn ctx_tier_json(t: &CtxTierStats) -> serde_json::Value {
 
 /// The model, the tokens and the loop count of `lens` and `trajectory`.
 fn lens_input(path: &PathBuf, args: &InputArgs) -> Result<(Model, Vec<u32>, usize)> {
-    let ids = args.tokens.as_deref().map(parse_tokens).transpose()?;
     let model = open(path, &args.common)?;
-    let tokens = match (&args.text, ids) {
+    let tokens = match (&args.text, &args.tokens) {
         (Some(text), _) => text_tokens(&model, utf8(text, "--text")?.as_bytes(), "--text")?,
-        (None, Some(ids)) => ids,
+        (None, Some(ids)) => parse_tokens(ids, &model)?,
         (None, None) => unreachable!("clap requires --text or --tokens"),
     };
     let loops = args.common.loops.unwrap_or(model.config().default_loops);
@@ -1043,7 +1098,7 @@ fn score(path: &PathBuf, args: ScoreArgs) -> Result<()> {
             })?;
             text_tokens(&model, &bytes, "--file")?
         }
-        (_, _, Some(ids)) => parse_tokens(ids)?,
+        (_, _, Some(ids)) => parse_tokens(ids, &model)?,
         _ => {
             return Err(Error::InvalidArgument(
                 "pass --text, --file or --tokens".into(),
@@ -1163,11 +1218,6 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
-    if args.prompt_len == 0 || args.gen_len < 2 || args.repeats == 0 {
-        return Err(Error::InvalidArgument(
-            "--prompt-len must be >= 1, --gen-len >= 2 and --repeats >= 1".into(),
-        ));
-    }
     let params = GenerateParams {
         max_tokens: args.gen_len,
         loops: args.common.loops,
@@ -1178,18 +1228,30 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     };
     // Room for the prompt and the generated tokens: --max-seq-len, else the model's default (0),
     // unless the run needs more.
-    let needed = args.prompt_len.saturating_add(args.gen_len);
+    let needed = args.prompt_len.checked_add(args.gen_len).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "--prompt-len {} + --gen-len {} overflow a token count",
+            args.prompt_len, args.gen_len
+        ))
+    })?;
     let max_seq_len = match args.common.max_seq_len {
         Some(n) if n > 0 => n.max(needed),
         _ if needed <= DEFAULT_MAX_SEQ_LEN => 0,
         _ => needed,
     };
+    let raised = max_seq_len != args.common.max_seq_len.unwrap_or(0);
     let common = CommonArgs {
         max_seq_len: Some(max_seq_len),
         ..args.common
     };
     let start = Instant::now();
-    let model = open(path, &common)?;
+    let model = open(path, &common).map_err(|e| match e {
+        Error::InvalidArgument(why) if raised => Error::InvalidArgument(format!(
+            "--prompt-len {} + --gen-len {} need max_seq_len {needed}: {why}",
+            args.prompt_len, args.gen_len
+        )),
+        other => other,
+    })?;
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
     let vocab = model.config().vocab_size as u32;
     // A fixed pseudo-random prompt: benchmarks must not depend on a text file.
@@ -1200,9 +1262,9 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     let speculation = args.speculation.speculation();
     // Handles are built once, outside the timed runs.
     let prefix = match args.prefix_cache {
-        Some(n) if n == 0 || n >= prompt.len() => {
+        Some(n) if n >= prompt.len() => {
             return Err(Error::InvalidArgument(format!(
-                "--prefix-cache must be in 1..{} (below --prompt-len)",
+                "--prefix-cache must be below --prompt-len ({}), got {n}",
                 prompt.len()
             )))
         }

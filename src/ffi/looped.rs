@@ -83,6 +83,7 @@ unsafe fn score_logit_lens(
             // SAFETY: the caller's contract, forwarded.
             let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
             let loops = s.resolve_loops(loops_arg(loops)?)?;
+            // loops <= max_loops <= u32::MAX and vocab_size <= 2^24: no overflow.
             let required = loops * s.config().vocab_size;
             // SAFETY: as above.
             unsafe {

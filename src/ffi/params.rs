@@ -56,7 +56,8 @@ pub struct tl_generate_params {
     /// their defaults); other smaller values are rejected; larger values are accepted and the
     /// extra bytes ignored.
     pub struct_size: usize,
-    /// Tokens to generate, >= 1. Default 128. The output buffer must hold this many.
+    /// Tokens to generate at most, >= 1 (fewer when the sequence reaches max_seq_len first).
+    /// Default 128. The output buffer must hold this many.
     pub max_tokens: u32,
     /// Loop iterations, 1..=max_loops, or TL_LOOPS_DEFAULT (-1, the default) for the model's
     /// default_loops. 0 and other negative values are rejected.
@@ -343,7 +344,13 @@ pub(crate) unsafe fn tokens_arg(ptr: *const i32, n: usize, what: &str) -> FfiRes
     if ptr.is_null() {
         return Err(Failure::invalid(format!("{what} is NULL")));
     }
-    // SAFETY: non-NULL and valid for n reads by the caller's contract.
+    // No allocation holds more bytes than isize::MAX: such an `n` is not a length at all.
+    if n > isize::MAX as usize / std::mem::size_of::<i32>() {
+        return Err(Failure::invalid(format!(
+            "{what}: a length of {n} values exceeds the address space"
+        )));
+    }
+    // SAFETY: non-NULL and valid for n reads by the caller's contract; n is a possible length.
     let raw = unsafe { std::slice::from_raw_parts(ptr, n) };
     raw.iter()
         .enumerate()

@@ -60,7 +60,7 @@ pub fn logit_lens<B: Backend>(
     } else {
         None
     };
-    let mut lens = Vec::with_capacity(loops * vocab);
+    let mut lens = crate::alloc::with_capacity(loops.saturating_mul(vocab), "the logit lens")?;
     for i in 1..=loops {
         run(backend, w, buf, rows, Span::iterations(i, i), Some(cancel))?;
         hidden.push(residual(backend, buf, last, dim)?);

@@ -434,8 +434,10 @@ static void test_open_and_lengths(void) {
     size_t len;
     EXPECT(tl_generate(m, long_prompt, 17, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt (17) longer than max_seq_len (16)");
     EXPECT(tl_score_last(m, long_prompt, 17, TL_LOOPS_DEFAULT, logits, 256, &len), TL_ERR_INVALID_ARGUMENT, "tl_score_last prompt longer than max_seq_len");
+    EXPECT(tl_generate(m, long_prompt, 16, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt (16) leaves no room in max_seq_len (16)");
     gp = gen_params(8);
-    EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_ERR_INVALID_ARGUMENT, "prompt + max_tokens (10 + 8) > max_seq_len (16)");
+    EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "prompt + max_tokens (10 + 8) > max_seq_len (16): generation stops at max_seq_len");
+    CHECK(len == 6, "  ... with the 6 tokens that fit");
     gp = gen_params(6);
     EXPECT(tl_generate(m, long_prompt, 10, &gp, out, 16, &len), TL_OK, "prompt + max_tokens == max_seq_len");
     tl_prefix_cache *cache = NULL;

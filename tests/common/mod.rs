@@ -5,8 +5,11 @@ pub mod beta_mon;
 pub mod ffi;
 pub mod reference;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::{preset, random_model};
 use tinyloop::{Device, Model, ModelOptions};
 
@@ -59,6 +62,67 @@ pub fn cpu_options() -> ModelOptions {
 
 pub fn open_cpu(path: &std::path::Path) -> Model {
     Model::open(path, &cpu_options()).unwrap()
+}
+
+/// A checkpoint of random f32 tensors for `preset_name`, plus its config file. Every call
+/// writes new files: the converter maps the checkpoint, so rewriting a file another test has
+/// mapped would fault that test.
+pub fn checkpoint(
+    preset_name: &str,
+    drop: Option<&str>,
+    extra: Option<&str>,
+) -> (PathBuf, PathBuf) {
+    let dir = scratch("convert");
+    let config = preset(preset_name).unwrap();
+    let mut data: HashMap<String, (Vec<usize>, Vec<u8>)> = HashMap::new();
+    let mut state = 1u64;
+    for spec in expected_tensors(&config) {
+        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let n: usize = shape.iter().product();
+        let scale = if spec.name.ends_with("norm") {
+            0.0
+        } else {
+            1.0 / (shape[shape.len() - 1] as f32).sqrt()
+        };
+        let bytes = (0..n)
+            .flat_map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                (1.0 + scale * u * 3.0 - if scale > 0.0 { 1.0 } else { 0.0 }).to_le_bytes()
+            })
+            .collect();
+        data.insert(spec.name.clone(), (shape, bytes));
+    }
+    if let Some(name) = drop {
+        data.remove(name);
+    }
+    if let Some(name) = extra {
+        data.insert(name.to_string(), (vec![2], vec![0; 8]));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(k, (shape, bytes))| {
+            (
+                k.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let tag = format!(
+        "{preset_name}-{}-{}-{}",
+        drop.unwrap_or(""),
+        extra.unwrap_or(""),
+        CALLS.fetch_add(1, Ordering::Relaxed)
+    );
+    let st = dir.join(format!("{tag}.safetensors"));
+    safetensors::serialize_to_file(views, None, &st).unwrap();
+    let cfg = dir.join(format!("{tag}.json"));
+    std::fs::write(&cfg, serde_json::to_string(&config).unwrap()).unwrap();
+    (st, cfg)
 }
 
 /// Deterministic pseudo-random tokens below `vocab`.

@@ -161,6 +161,11 @@ TEST(Model, LogprobsDecodeEqualsLogprobsOnCpu) {
     EXPECT_EQ(status_of([&] { s.logprobs_decode({kPrompt[0]}); }), TL_ERR_INVALID_ARGUMENT);
 }
 
+TEST(Model, GenerationStopsAtMaxSeqLen) {
+    auto m = open_model(64);
+    EXPECT_EQ(m.generate(kPrompt, gen(60)).size(), 64u - kPrompt.size());
+}
+
 TEST(Model, InvalidArgumentsThrowWithStatus) {
     auto m = open_model(64);
     auto bad = [&](auto edit, std::vector<int32_t> prompt = kPrompt) {
@@ -179,7 +184,7 @@ TEST(Model, InvalidArgumentsThrowWithStatus) {
     EXPECT_EQ(bad([](auto& o) { o.loops = 0; }), TL_ERR_INVALID_ARGUMENT);
     EXPECT_EQ(bad([](auto& o) { o.loops = 65; }), TL_ERR_INVALID_ARGUMENT);
     EXPECT_EQ(bad([](auto& o) { o.max_tokens = 0; }), TL_ERR_INVALID_ARGUMENT);
-    EXPECT_EQ(bad([](auto& o) { o.max_tokens = 60; }), TL_ERR_INVALID_ARGUMENT) << "> max_seq_len";
+    EXPECT_EQ(bad(none, std::vector<int32_t>(64, 1)), TL_ERR_INVALID_ARGUMENT) << "prompt fills max_seq_len";
     EXPECT_EQ(status_of([&] { m.score_last(std::vector<int32_t>(65, 1)); }), TL_ERR_INVALID_ARGUMENT);
 }
 

@@ -251,7 +251,7 @@ def test_logprobs_through_the_decode_path(model):
         (dict(loops=0), "loops"),
         (dict(loops=65), "loops"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=300), "max_seq_len"),
+        (dict(tokens=[1] * 256), "max_seq_len"),
         (dict(tokens=[[1, 2]]), "1-D"),
         (dict(stop=[999]), "stop"),
     ],
@@ -270,6 +270,11 @@ def test_invalid_arguments_raise_value_error(model, kwargs, match):
 def test_float_tokens_are_a_type_error(model):
     with pytest.raises(TypeError):
         model.generate([1.5, 2.0], max_tokens=2)
+
+
+def test_generation_stops_at_max_seq_len(model_path):
+    with tinyloop_py.Model(model_path, max_seq_len=16, device="cpu", log=False) as m:
+        assert len(m.generate(PROMPT, max_tokens=300)) == 16 - len(PROMPT)
 
 
 def test_prompt_longer_than_max_seq_len(model):
