@@ -339,11 +339,10 @@ fn argument_errors_exit_1_with_one_line() {
 #[test]
 fn counts_out_of_range_state_the_accepted_range() {
     let m = model();
-    let cases: Vec<(Vec<&str>, &str)> =
-        vec![
+    let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec![&m, "generate", "--prompt", "x", "--max-tokens", "-5"],
-            "invalid value '-5' for '--max-tokens <MAX_TOKENS>': expected an integer ≥ 1",
+            "invalid value '-5' for '--max-tokens <N>': expected an integer ≥ 1",
         ),
         (
             vec![&m, "generate", "--prompt", "x", "--loops", "-1"],
@@ -359,19 +358,28 @@ fn counts_out_of_range_state_the_accepted_range() {
         ),
         (
             vec![&m, "generate", "--prompt", "x", "--seed", "-3"],
-            "invalid value '-3' for '--seed <SEED>': expected an integer ≥ 0",
+            "invalid value '-3' for '--seed <S>': expected an integer ≥ 0",
         ),
         (
-            vec![&m, "generate", "--prompt", "x", "--draft-loops", "2", "--draft-len", "16"],
+            vec![
+                &m,
+                "generate",
+                "--prompt",
+                "x",
+                "--draft-loops",
+                "2",
+                "--draft-len",
+                "16",
+            ],
             "invalid value '16' for '--draft-len <K>': expected an integer from 1 to 15",
         ),
         (
             vec![&m, "score", "--text", "xyz", "--window", "-2"],
-            "invalid value '-2' for '--window <WINDOW>': expected an integer ≥ 2",
+            "invalid value '-2' for '--window <N>': expected an integer ≥ 2",
         ),
         (
             vec![&m, "bench", "--repeats", "18446744073709551615"],
-            "invalid value '18446744073709551615' for '--repeats <REPEATS>': expected an integer \
+            "invalid value '18446744073709551615' for '--repeats <N>': expected an integer \
              from 1 to 10000",
         ),
         (
@@ -379,11 +387,21 @@ fn counts_out_of_range_state_the_accepted_range() {
             "invalid value '3' for '--loop-body-bits <BITS>': expected 2 or 4",
         ),
         (
-            vec!["synth", "--preset", "tiny", "--group-size", "-32", "--out", "/tmp/x"],
-            "invalid value '-32' for '--group-size <GROUP_SIZE>': expected an integer ≥ 0",
+            vec![
+                "synth",
+                "--preset",
+                "tiny",
+                "--group-size",
+                "-32",
+                "--out",
+                "/tmp/x",
+            ],
+            "invalid value '-32' for '--group-size <G>': expected an integer ≥ 0",
         ),
         (
-            vec!["synth", "--preset", "tiny", "--bits", "8", "--out", "/tmp/x"],
+            vec![
+                "synth", "--preset", "tiny", "--bits", "8", "--out", "/tmp/x",
+            ],
             "invalid value '8' for '--bits <BITS>': expected 16, 4 or 2",
         ),
     ];
@@ -584,22 +602,15 @@ fn generate_checks_everything_before_printing() {
     let cases: [(&[&str], &str); 3] = [
         (
             &["--tokens", "1,2,300"],
-            "token 2: 300 is out of range for vocab_size 256",
+            "--tokens: token id 300 is outside 0 to 255 (vocab_size 256)",
         ),
         (
             &["--prompt", "abc", "--max-tokens", "0"],
-            "max_tokens must be >= 1",
+            "invalid value '0' for '--max-tokens <N>': expected an integer ≥ 1",
         ),
         (
-            &[
-                "--prompt",
-                "abcdef",
-                "--max-tokens",
-                "20",
-                "--max-seq-len",
-                "16",
-            ],
-            "prompt of 6 tokens + max_tokens 20 exceeds max_seq_len 16",
+            &["--prompt", "abcdefghijklmnop", "--max-seq-len", "16"],
+            "prompt of 16 tokens leaves no room to generate in max_seq_len 16",
         ),
     ];
     for (args, expected) in cases {
@@ -751,29 +762,24 @@ fn options_without_their_companion_are_errors() {
 fn max_seq_len_defaults_to_the_model_s_positions() {
     let short = common::synth_with_max_position(256);
     let short = short.to_str().unwrap();
-    let long_prompt = "x".repeat(250);
-    // 250 + 6 = 256 tokens fit; one more does not.
-    stdout(&tinyloop(&[
+    // 250 prompt tokens leave room for 6: generation stops at max_seq_len 256 (the model's
+    // max_position), however many tokens were asked for; a 256-token prompt leaves none.
+    let out = stdout(&tinyloop(&[
         short,
         "generate",
         "--prompt",
-        &long_prompt,
+        &"x".repeat(250),
         "--max-tokens",
-        "6",
+        "100",
+        "--json",
         "-q",
     ]));
+    let tokens = serde_json::from_str::<serde_json::Value>(&out).unwrap()["tokens"].clone();
+    assert_eq!(tokens.as_array().map(Vec::len), Some(6), "{out}");
     assert_one_line_error(
-        &tinyloop(&[
-            short,
-            "generate",
-            "--prompt",
-            &long_prompt,
-            "--max-tokens",
-            "7",
-            "-q",
-        ]),
-        "one token too many",
-        "prompt of 250 tokens + max_tokens 7 exceeds max_seq_len 256",
+        &tinyloop(&[short, "generate", "--prompt", &"x".repeat(256), "-q"]),
+        "a prompt that fills max_seq_len",
+        "prompt of 256 tokens leaves no room to generate in max_seq_len 256",
     );
     let bench = |path: &str| -> serde_json::Value {
         let args = [
