@@ -384,14 +384,17 @@ fn max_seq_len_defaults_to_the_model_s_positions() {
             expected,
             "max_position {max_position}"
         );
-        // Exactly that many tokens fit.
+        // Exactly that many tokens fit: generation stops there, and a prompt of that many
+        // tokens leaves no room.
         let mut session = model.new_session().unwrap();
         let prompt = tokens(expected - 2, 256, 3);
-        assert_eq!(session.generate(&prompt, &greedy(2, 1)).unwrap().len(), 2);
-        let err = session.generate(&prompt, &greedy(3, 1)).unwrap_err();
+        assert_eq!(session.generate(&prompt, &greedy(3, 1)).unwrap().len(), 2);
+        let full = tokens(expected, 256, 3);
+        let err = session.generate(&full, &greedy(1, 1)).unwrap_err();
         assert!(
-            err.to_string()
-                .contains(&format!("exceeds max_seq_len {expected}")),
+            err.to_string().contains(&format!(
+                "leaves no room to generate in max_seq_len {expected}"
+            )),
             "{err}"
         );
     }
