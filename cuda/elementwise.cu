@@ -422,3 +422,57 @@ extern "C" __global__ void entropy_f32(const float* __restrict__ x, int len, flo
         *ticket = 0;
     }
 }
+
+// The f32 norms of the architecture's choices (src/model/architecture.rs), one row per block,
+// the row staged in shared memory (d floats, dynamic):
+//   mode 0: x = norm(x)             (the loop norm)
+//   mode 1: x = x + norm(delta)     (sandwich block)
+//   mode 2: x = norm(x + delta)     (sandwich block, norm after the residual add)
+extern "C" __global__ void norm_state_rows(float* __restrict__ x, const float* __restrict__ delta,
+                                           int mode, int d, int layer_norm, float eps,
+                                           const f16_t* __restrict__ w,
+                                           const f16_t* __restrict__ b, int has_bias) {
+    kernel_start();
+    extern __shared__ __align__(16) float srow[];
+    __shared__ float scratch[32];
+    float* row = x + (size_t)blockIdx.x * d;
+    const float* add = delta + (size_t)blockIdx.x * d;
+    const float n = (float)d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        srow[i] = mode == 0 ? row[i] : mode == 1 ? add[i] : __fadd_rn(row[i], add[i]);
+    __syncthreads();
+    float mean = 0.0f;
+    if (layer_norm) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) s += srow[i];
+        mean = __fdiv_rn(block_sum(s, scratch), n);
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = __fsub_rn(srow[i], mean);
+        ss = fmaf(v, v, ss);
+    }
+    const float var = __fdiv_rn(block_sum(ss, scratch), n);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
+        const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
+        const float normed = __fadd_rn(v, bias);
+        row[i] = mode == 1 ? __fadd_rn(row[i], normed) : normed;
+    }
+}
+
+// x[r * width + i] += bias[i] for `rows` rows. grid (rows, ceil(width / blockDim.x)).
+extern "C" __global__ void add_bias(float* __restrict__ x, int width,
+                                    const f16_t* __restrict__ bias) {
+    kernel_start();
+    const int r = blockIdx.x, i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i < width) x[(size_t)r * width + i] = __fadd_rn(x[(size_t)r * width + i], f16_to_f32(bias[i]));
+}
+
+// x[i] *= factor over `len` values.
+extern "C" __global__ void scale_f32(float* __restrict__ x, int len, float factor) {
+    kernel_start();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += gridDim.x * blockDim.x)
+        x[i] = __fmul_rn(x[i], factor);
+}

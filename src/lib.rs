@@ -64,7 +64,9 @@ pub use generate::speculative::{Speculation, MAX_DRAFT_LEN};
 pub use generate::GenerateStats;
 pub use handle::{PrefixCache, ResumeHandle};
 pub use kv::{AgeTiers, KvMode};
+pub use model::architecture::{Architecture, BlockNorms, LoopInput, LoopNorm, LoopState};
 pub use model::config::{HeadKind, ModelConfig, NormKind, DEFAULT_MAX_SEQ_LEN};
+pub use model::state_init::StateInit;
 pub use session::{CancelHandle, Session};
 pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
 
@@ -94,6 +96,9 @@ pub struct ModelOptions {
     /// docs/FORMAT.md "The FP16 body cache"). `None` uses `TINYLOOP_EXPERIMENTAL_FP16_BODY=1`.
     /// Has no effect on the CPU.
     pub fp16_body: Option<bool>,
+    /// How a loop that starts from a random state (Huginn) draws it: the model's own rule from
+    /// seed 0, zeros, or a seed ([`StateInit`]). Other models accept only the default.
+    pub state_init: StateInit,
 }
 
 impl Default for ModelOptions {
@@ -106,6 +111,7 @@ impl Default for ModelOptions {
             kv_mode: None,
             log: true,
             fp16_body: None,
+            state_init: StateInit::Model,
         }
     }
 }
@@ -202,6 +208,7 @@ impl Model {
         };
         file.config
             .check_session(options.max_seq_len, options.max_loops)?;
+        options.state_init.check(&file.config.architecture)?;
         let kv_mode = match options.kv_mode {
             Some(mode) => mode,
             None => KvMode::from_env()?,
@@ -341,13 +348,14 @@ impl Model {
                     rows,
                     layout,
                     body,
+                    opts.state_init,
                 )?)
             }
             Engine::Cuda(l) => {
                 let config = &l.weights.config;
                 let backend = l.backend.session(config)?;
                 let (body, _) = l.weights.body.acquire(&backend, Tier::Short)?;
-                let buffers = Buffers::new(&backend, config, rows, layout, body)?;
+                let buffers = Buffers::new(&backend, config, rows, layout, body, opts.state_init)?;
                 let layout = &buffers.kv.layout;
                 let loops = config.default_loops;
                 log_line!(

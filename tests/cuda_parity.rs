@@ -1155,12 +1155,28 @@ fn decode_parity(
     let cpu = CpuBackend;
     let wc = Weights::load(&cpu, &file, max_seq).unwrap();
     let mut bc =
-        Buffers::new(&cpu, &config, 16, layout.clone(), wc.body.loaded().unwrap()).unwrap();
+        Buffers::new(
+        &cpu,
+        &config,
+        16,
+        layout.clone(),
+        wc.body.loaded().unwrap(),
+        tinyloop::StateInit::Model,
+    )
+    .unwrap();
     let engine = gpu();
     let wg = Weights::load(&engine, &file, max_seq).unwrap();
     engine.finish_load(&wg).unwrap();
     let session = engine.session(&config).unwrap();
-    let mut bg = Buffers::new(&session, &config, 16, layout, wg.body.loaded().unwrap()).unwrap();
+    let mut bg = Buffers::new(
+        &session,
+        &config,
+        16,
+        layout,
+        wg.body.loaded().unwrap(),
+        tinyloop::StateInit::Model,
+    )
+    .unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);
     let vocab = config.vocab_size;
     let tokens = prompt(5, vocab, 99);

@@ -96,9 +96,21 @@ fn bad_magic() {
 
 #[test]
 fn unsupported_version() {
-    let mut bytes = valid_bytes();
-    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
-    assert_rejected(&bytes, "version", "unsupported format version 2");
+    for version in [0u32, 3, u32::MAX] {
+        let mut bytes = valid_bytes();
+        bytes[8..12].copy_from_slice(&version.to_le_bytes());
+        let expected = format!("unsupported format version {version}");
+        assert_rejected(&bytes, "version", &expected);
+    }
+}
+
+#[test]
+fn own_architecture_is_written_as_version_1_and_read_as_2_too() {
+    let bytes = valid_bytes();
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1);
+    let mut v2 = bytes.clone();
+    v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+    ModelFile::from_bytes(v2).expect("a version-2 reader reads the default architecture");
 }
 
 #[test]

@@ -4,7 +4,8 @@
 mod common;
 
 use common::reference::Reference;
-use common::{open_cpu, synth_file, tokens};
+use common::{cpu_options, synth_file, tokens};
+use tinyloop::{LoopState, Model, ModelOptions, StateInit};
 
 /// Relative L2 error of the logits allowed between the runtime (f32 accumulation) and the
 /// reference (f64 accumulation, same f16 rounding points).
@@ -32,7 +33,17 @@ fn relative_error(actual: &[f32], expected: &[Vec<f64>]) -> f64 {
 fn check(preset: &str, bits: u32) {
     let path = synth_file(preset, 11, bits);
     let reference = Reference::load(&std::fs::read(&path).unwrap());
-    let model = open_cpu(&path);
+    let config = tinyloop::model::synth::preset(preset).unwrap();
+    // The reference starts a random loop state from zeros.
+    let state_init = match config.architecture.loop_state {
+        LoopState::Random => StateInit::Zeros,
+        LoopState::Carry => StateInit::Model,
+    };
+    let options = ModelOptions {
+        state_init,
+        ..cpu_options()
+    };
+    let model = Model::open(&path, &options).unwrap();
     let mut session = model.new_session().unwrap();
     let input = tokens(9, model.config().vocab_size, bits);
     let mut worst = 0f64;
@@ -67,5 +78,19 @@ fn gqa_layernorm_two_loop_blocks_post_block_factorized_tied_matches_reference() 
 fn tied_head_without_pre_blocks_matches_reference() {
     for bits in [4, 2, 16] {
         check("tiny-tied", bits);
+    }
+}
+
+#[test]
+fn sandwich_norms_loop_norm_and_exit_gate_match_reference() {
+    for bits in [4, 2, 16] {
+        check("tiny-sandwich", bits);
+    }
+}
+
+#[test]
+fn norms_after_the_residual_qkv_bias_scaled_embedding_and_loop_adapter_match_reference() {
+    for bits in [4, 2, 16] {
+        check("tiny-recurrent", bits);
     }
 }

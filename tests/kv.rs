@@ -336,6 +336,7 @@ fn memory_accounting_equals_the_allocations() {
             4,
             layout,
             weights.body.loaded().unwrap(),
+            tinyloop::StateInit::Model,
         )
         .unwrap();
         buf.reserve_kv(&CpuBackend, buf.kv.layout.slots(3)).unwrap();

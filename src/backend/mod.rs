@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::format::DType;
 use crate::generate::sampling::{self, SamplingParams};
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
+use crate::model::architecture::BlockNorms;
 use crate::model::config::NormKind;
 use crate::model::quant::QuantizedMatrix;
 
@@ -198,6 +199,27 @@ pub trait Backend: Send + Sync + Sized + 'static {
         rows: usize,
         out: &mut Self::Half,
     );
+
+    /// `x = norm(x)` for `rows` rows, in f32 (the loop norm).
+    fn norm_state(&self, norm: &NormLayer<Self::Vector>, x: &mut Self::Float, rows: usize);
+
+    /// A sandwich block's residual update from a sublayer's output `delta`, in f32:
+    /// `x = x + norm(delta)` ([`BlockNorms::Sandwich`]) or `x = norm(x + delta)`
+    /// ([`BlockNorms::SandwichResidual`]), for `rows` rows.
+    fn residual_norm(
+        &self,
+        norm: &NormLayer<Self::Vector>,
+        delta: &Self::Float,
+        rows: usize,
+        x: &mut Self::Float,
+        layout: BlockNorms,
+    );
+
+    /// `x[r] += bias` for `rows` rows of width `bias.len()`.
+    fn add_bias(&self, x: &mut Self::Float, rows: usize, bias: &Self::Vector);
+
+    /// `x[i] *= factor` for the first `len` values.
+    fn scale(&self, x: &mut Self::Float, len: usize, factor: f32);
 
     /// `out[r] (+)= x[first_row + r] · wᵀ` for `r < rows`; accumulate adds into `out`.
     fn linear(

@@ -13,6 +13,7 @@ use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
+use crate::model::architecture::BlockNorms;
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
 pub struct Hessian {
@@ -187,6 +188,29 @@ impl Backend for CaptureBackend {
 
     fn norm(&self, norm: &NormLayer<Vec<f32>>, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
         CpuBackend.norm(norm, x, rows, out)
+    }
+
+    fn norm_state(&self, norm: &NormLayer<Vec<f32>>, x: &mut Vec<f32>, rows: usize) {
+        CpuBackend.norm_state(norm, x, rows)
+    }
+
+    fn residual_norm(
+        &self,
+        norm: &NormLayer<Vec<f32>>,
+        delta: &Vec<f32>,
+        rows: usize,
+        x: &mut Vec<f32>,
+        layout: BlockNorms,
+    ) {
+        CpuBackend.residual_norm(norm, delta, rows, x, layout)
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, rows: usize, bias: &Vec<f32>) {
+        CpuBackend.add_bias(x, rows, bias)
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) {
+        CpuBackend.scale(x, len, factor)
     }
 
     fn linear(

@@ -24,6 +24,7 @@ use crate::model::layout::{
     block_name, blocks, expected_tensors, Stage, TensorRole, BLOCK_LINEARS,
 };
 use crate::model::quant::{group_size_for, quantize_rtn, LinearData, QuantizedMatrix};
+use crate::model::state_init::StateInit;
 use crate::model::weights::Weights;
 use capture::CaptureBackend;
 
@@ -73,7 +74,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     let dtype = DType::from_bits(opts.bits)?;
     let specs = expected_tensors(&config);
     if dtype.is_quantized() {
-        for spec in specs.iter().filter(|s| s.is_block_linear()) {
+        for spec in specs.iter().filter(|s| s.is_quantizable()) {
             check_group_fits(&spec.name, spec.shape[1] as usize, opts.group_size)?;
             group_size_for(&spec.name, dtype, spec.shape[1] as usize, opts.group_size)?;
         }
@@ -105,7 +106,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     let mut progress = Progress::new(opts.progress, specs.len(), "convert");
     for spec in &specs {
         let t = checkpoint.get(&spec.name);
-        if !spec.is_block_linear() || !dtype.is_quantized() {
+        if !spec.is_quantizable() || !dtype.is_quantized() {
             let values = to_f16(&spec.name, &t.values)?;
             match spec.role {
                 TensorRole::Linear => {
@@ -325,7 +326,14 @@ fn calibrate(
         .body
         .loaded()
         .expect("a freshly loaded model holds its loop body");
-    let mut buffers = Buffers::new(&backend, config, window, layout, body.clone())?;
+    let mut buffers = Buffers::new(
+        &backend,
+        config,
+        window,
+        layout,
+        body.clone(),
+        StateInit::Model,
+    )?;
     let never = AtomicBool::new(false);
     let loops = opts.calibration_loops.unwrap_or(config.default_loops);
     let windows: Vec<&[u32]> = opts.calibration.chunks(window).collect();

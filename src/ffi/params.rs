@@ -8,7 +8,7 @@ use super::ctx_tier::{ctx_tier_arg, tl_ctx_tier_params};
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
 use crate::{
     BetaMonSummary, BetaMonitor, Device, GenerateParams, GenerateStats, KvMode, ModelOptions,
-    SamplingParams, Speculation, Tier, TrajectoryPoint,
+    SamplingParams, Speculation, StateInit, Tier, TrajectoryPoint,
 };
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
@@ -45,6 +45,10 @@ pub struct tl_model_params {
     /// docs/FORMAT.md "The FP16 body cache"), 0 does not, -1 (default) follows
     /// TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU. Other values are rejected.
     pub fp16_body: i32,
+    /// How a model whose loop starts from a random state (Huginn) draws it: "model" (its own
+    /// rule, from seed 0), "zeros" or "seed:N". NULL (default) is "model"; other models accept
+    /// only "model". Only read during `tl_model_open`.
+    pub state_init: *const c_char,
 }
 
 /// Options of one generation call. Fill with `tl_generate_default_params`, then change fields.
@@ -245,6 +249,7 @@ fn default_model_params() -> tl_model_params {
         log: d.log,
         kv_mode: std::ptr::null(),
         fp16_body: -1,
+        state_init: std::ptr::null(),
     }
 }
 
@@ -376,16 +381,20 @@ pub(crate) unsafe fn prompt_arg(ptr: *const i32, n: usize) -> FfiResult<Vec<u32>
 ///
 /// # Safety
 /// `params` must be NULL or point to a `tl_model_params` of at least its `struct_size` bytes
-/// whose `device` and `kv_mode` are NULL or NUL-terminated strings.
+/// whose `device`, `kv_mode` and `state_init` are NULL or NUL-terminated strings.
 pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<ModelOptions> {
     let p = if params.is_null() {
         default_model_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `kv_mode`, version 2 before `fp16_body`.
-        let v1 = std::mem::offset_of!(tl_model_params, kv_mode);
-        let v2 = std::mem::offset_of!(tl_model_params, fp16_body);
-        unsafe { read_versioned(params, default_model_params(), &[v1, v2], "tl_model_params") }?
+        // header ended before `kv_mode`, version 2 before `fp16_body`, version 3 before
+        // `state_init`.
+        let sizes = [
+            std::mem::offset_of!(tl_model_params, kv_mode),
+            std::mem::offset_of!(tl_model_params, fp16_body),
+            std::mem::offset_of!(tl_model_params, state_init),
+        ];
+        unsafe { read_versioned(params, default_model_params(), &sizes, "tl_model_params") }?
     };
     let fp16_body = match p.fp16_body {
         -1 => None,
@@ -411,6 +420,13 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
         let name = unsafe { c_str(p.kv_mode, "tl_model_params.kv_mode") }?;
         Some(name.parse::<KvMode>()?)
     };
+    let state_init = if p.state_init.is_null() {
+        StateInit::Model
+    } else {
+        // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+        let name = unsafe { c_str(p.state_init, "tl_model_params.state_init") }?;
+        name.parse::<StateInit>()?
+    };
     Ok(ModelOptions {
         max_seq_len: p.max_seq_len as usize,
         prefill_chunk: p.prefill_chunk as usize,
@@ -419,6 +435,7 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
         kv_mode,
         log: p.log,
         fp16_body,
+        state_init,
     })
 }
 

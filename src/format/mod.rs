@@ -1,9 +1,9 @@
-//! The `.tinyloop` file format, version 1 (spec: docs/FORMAT.md).
+//! The `.tinyloop` file format, versions 1 and 2 (spec: docs/FORMAT.md).
 //!
 //! ```text
 //! offset 0   magic "TINYLOOP" (8 bytes)
 //!        8   u32 format version (major)      little-endian
-//!       12   u32 flags (must be 0 in v1)
+//!       12   u32 flags (must be 0)
 //!       16   u64 header length in bytes
 //!       24   UTF-8 JSON header: {"config": {...}, "tensors": [...], "metadata": {...}}
 //!  aligned   tensor data; data section starts at the next multiple of 64,
@@ -20,9 +20,12 @@ pub use writer::FileWriter;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::model::config::ModelConfig;
 
 pub const MAGIC: &[u8; 8] = b"TINYLOOP";
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest version; a file is written at the oldest version that describes its model
+/// ([`format_version`]).
+pub const FORMAT_VERSION: u32 = 2;
 pub const PREAMBLE_LEN: usize = 24;
 pub const ALIGNMENT: u64 = 64;
 /// Headers larger than this are rejected before parsing, so a corrupt length cannot exhaust memory.
@@ -184,6 +187,16 @@ pub fn first_non_finite_f16(bytes: &[u8]) -> Option<usize> {
         let i = block.chunks_exact(2).position(bad)?;
         Some(b * BLOCK / 2 + i)
     })
+}
+
+/// The version a file of `config` is written at: 1 for TinyLoop's own architecture (so that
+/// older readers keep reading such files), 2 when `config.architecture` describes another.
+pub fn format_version(config: &ModelConfig) -> u32 {
+    if config.architecture.is_default() {
+        1
+    } else {
+        2
+    }
 }
 
 /// Round `n` up to the next multiple of [`ALIGNMENT`].

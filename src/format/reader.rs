@@ -10,8 +10,8 @@ use rayon::prelude::*;
 use serde::Deserialize;
 
 use super::{
-    align_up, first_non_finite_f16, DType, TensorEntry, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN,
-    PREAMBLE_LEN,
+    align_up, first_non_finite_f16, format_version, DType, TensorEntry, FORMAT_VERSION, MAGIC,
+    MAX_HEADER_LEN, PREAMBLE_LEN,
 };
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
@@ -88,15 +88,15 @@ impl ModelFile {
             return Err(Error::format("bad magic: not a .tinyloop file"));
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-        if version != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&version) {
             return Err(Error::format(format!(
-                "unsupported format version {version} (this reader supports {FORMAT_VERSION})"
+                "unsupported format version {version} (this reader supports 1 to {FORMAT_VERSION})"
             )));
         }
         let flags = u32::from_le_bytes(bytes[12..16].try_into().unwrap());
         if flags != 0 {
             return Err(Error::format(format!(
-                "unsupported flags {flags:#x} (version 1 defines none)"
+                "unsupported flags {flags:#x} (version {version} defines none)"
             )));
         }
         let header_len = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
@@ -115,6 +115,11 @@ impl ModelFile {
         let header: Header = serde_json::from_slice(&bytes[PREAMBLE_LEN..header_end as usize])
             .map_err(|e| Error::format(format!("header JSON: {e}")))?;
         header.config.validate()?;
+        if version < format_version(&header.config) {
+            return Err(Error::format(
+                "config: architecture needs format version 2 (the file says 1)",
+            ));
+        }
 
         let data_start = align_up(header_end);
         let data_len = (bytes.len() as u64).saturating_sub(data_start);

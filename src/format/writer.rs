@@ -6,7 +6,7 @@ use std::path::Path;
 use half::f16;
 use serde_json::json;
 
-use super::{align_up, DType, TensorEntry, FORMAT_VERSION, MAGIC, PREAMBLE_LEN};
+use super::{align_up, format_version, DType, TensorEntry, MAGIC, PREAMBLE_LEN};
 use crate::error::{Error, Result};
 use crate::model::config::ModelConfig;
 use crate::model::quant::{f16_to_bytes, LinearData};
@@ -120,7 +120,7 @@ impl FileWriter {
         let header = self.header_json();
         let header_end = (PREAMBLE_LEN + header.len()) as u64;
         out.write_all(MAGIC)?;
-        out.write_all(&FORMAT_VERSION.to_le_bytes())?;
+        out.write_all(&format_version(&self.config).to_le_bytes())?;
         out.write_all(&0u32.to_le_bytes())?;
         out.write_all(&(header.len() as u64).to_le_bytes())?;
         out.write_all(&header)?;

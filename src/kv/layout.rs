@@ -176,6 +176,12 @@ impl KvLayout {
                 heads.head_dim
             )));
         }
+        if mode.stores_input() && config.architecture.qkv_bias {
+            return Err(Error::invalid(format!(
+                "KV mode {mode} recomputes K and V from the cached attention input without the \
+                 model's QKV bias; use a mode that caches K and V (fp16, int8, delta, age)"
+            )));
+        }
         if let KvMode::Age(tiers) = mode {
             tiers.validate()?;
             tiers.check_reachable(config.max_position)?;

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::architecture::Architecture;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,6 +41,9 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     pub max_position: usize,
     pub head: HeadKind,
+    /// The per-family choices (version 2); absent in version-1 files, which have the default.
+    #[serde(default, skip_serializing_if = "Architecture::is_default")]
+    pub architecture: Architecture,
 }
 
 /// The longest sequence (prompt + generated tokens) a model is opened for when the caller names
@@ -134,6 +138,9 @@ impl ModelConfig {
                 self.norm_eps
             ));
         }
+        self.architecture
+            .validate(self.n_post_blocks)
+            .map_err(|e| Error::format(format!("config: architecture: {e}")))?;
         // Below 1 the RoPE frequencies θ^(−2i/head_dim) grow instead of shrinking, and at tiny θ
         // the angles overflow.
         if !(self.rope_theta >= 1.0 && self.rope_theta.is_finite()) {

@@ -12,9 +12,11 @@ use crate::backend::{Backend, Chosen, NormLayer, StepInput};
 use crate::ctx_tier::{Tier, TierTracker};
 use crate::error::{Error, Result};
 use crate::kv::{Application, KvCache, KvLayout, KvSlot};
+use crate::model::architecture::{LoopInput, LoopNorm, LoopState};
 use crate::model::body::{LoopBody, Made};
 use crate::model::config::ModelConfig;
 use crate::model::layout::Stage;
+use crate::model::state_init::StateInit;
 use crate::model::weights::{Block, Head, Norm, Weights};
 
 /// Logit rows computed per head call; bounds the logits buffer at `LOGIT_ROWS × vocab`.
@@ -110,6 +112,18 @@ pub struct Buffers<B: Backend> {
     pub logits: B::Float,
     /// Residual streams saved by decode steps ([`Decode::hidden_row`]): `HIDDEN_ROWS × dim`.
     pub hidden: B::Float,
+    /// With a loop adapter, the loop input of those rows beside them.
+    hidden_input: B::Float,
+    /// A sublayer's output before its norm (sandwich layouts), `max_rows × dim`.
+    delta: B::Float,
+    /// The loop input `adapter.input · e` of each row (loop adapter), `max_rows × dim`.
+    loop_input: B::Float,
+    /// The initial loop state of each staged row (random loop state), `max_rows × dim`.
+    initial_state: B::Float,
+    /// How the initial loop state is drawn.
+    pub state_init: StateInit,
+    /// The exit gate's logit of each row, `max_rows`.
+    pub exit_logits: B::Float,
     step: B::Step,
     /// Slots are added as calls need them (more loop iterations), keeping what they hold.
     pub kv: KvCache<B::KvStorage>,
@@ -129,14 +143,17 @@ fn elements(a: usize, b: usize, what: &str) -> Result<usize> {
 
 impl<B: Backend> Buffers<B> {
     /// Buffers for steps of up to `max_rows` rows, running the loop body `body` (the SHORT
-    /// tier's).
+    /// tier's), drawing initial loop states as `state_init` says.
     pub fn new(
         backend: &B,
         config: &ModelConfig,
         max_rows: usize,
         kv: KvLayout,
         body: Arc<LoopBody<B>>,
+        state_init: StateInit,
     ) -> Result<Self> {
+        let arch = &config.architecture;
+        state_init.check(arch)?;
         let (d, f, r) = (config.dim, config.ffn_dim, config.embed_factor_dim);
         let wide = d.max(r);
         let rows = |width: usize| elements(width, max_rows, "step buffers");
@@ -144,9 +161,25 @@ impl<B: Backend> Buffers<B> {
         let half_len = [rows(wide)?, rows(d)?, rows(f)?];
         let logits_len = elements(LOGIT_ROWS, config.vocab_size, "logits")?;
         let factor_len = LOGIT_ROWS * r.max(1);
+        // Buffers of the architecture's optional parts hold one value when it lacks them.
+        let rows_if = |needed: bool| if needed { rows(d) } else { Ok(1) };
+        let adapter = arch.loop_input == LoopInput::Adapter;
+        let optional_len = [
+            if adapter { HIDDEN_ROWS * d } else { 1 },
+            rows_if(arch.block_norms.has_out_norms())?,
+            rows_if(adapter)?,
+            rows_if(arch.loop_state == LoopState::Random)?,
+            max_rows,
+        ];
         let bytes = 4
-            * (float_len.iter().sum::<usize>() + logits_len + factor_len + HIDDEN_ROWS * d)
+            * (float_len.iter().sum::<usize>()
+                + logits_len
+                + factor_len
+                + HIDDEN_ROWS * d
+                + optional_len.iter().sum::<usize>())
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
+        let [hidden_input, delta, loop_input, initial_state, exit_logits] =
+            optional_len.map(|len| backend.alloc_float(len));
         Ok(Buffers {
             max_rows,
             x: backend.alloc_float(float_len[0])?,
@@ -160,6 +193,12 @@ impl<B: Backend> Buffers<B> {
             factor_half: backend.alloc_half(factor_len)?,
             logits: backend.alloc_float(logits_len)?,
             hidden: backend.alloc_float(HIDDEN_ROWS * d)?,
+            hidden_input: hidden_input?,
+            delta: delta?,
+            loop_input: loop_input?,
+            initial_state: initial_state?,
+            state_init,
+            exit_logits: exit_logits?,
             step: backend.alloc_step(max_rows)?,
             kv: KvCache {
                 storage: backend.alloc_kv(kv.bytes(0))?,
@@ -260,6 +299,14 @@ pub fn stage<B: Backend>(
     for mv in buf.kv.advance_tiers(input.start_pos, end) {
         backend.kv_move(&mut buf.kv, &mv);
     }
+    let arch = &w.config.architecture;
+    if arch.loop_state == LoopState::Random {
+        let dim = w.config.dim;
+        let mut states = crate::alloc::zeroed::<f32>(rows * dim, "initial loop states")?;
+        buf.state_init
+            .fill(arch, input.start_pos, rows, dim, &mut states);
+        backend.write_float(&mut buf.initial_state, &states)?;
+    }
     backend.set_step(&mut buf.step, input, buf.kv.bounds)
 }
 
@@ -292,7 +339,10 @@ fn follow_tier<B: Backend>(
 }
 
 /// The block applications of `span` for the `rows` staged rows (the embedding first when the
-/// span starts). With `cancel`, stops between block applications once it is set.
+/// span starts), with what the architecture does between them: the loop's start (its input and
+/// initial state) before iteration 1, the loop input before every iteration, the loop norm after
+/// every iteration or before the post blocks. With `cancel`, stops between block applications
+/// once it is set.
 pub fn run<B: Backend>(
     backend: &B,
     w: &Weights<B>,
@@ -301,32 +351,103 @@ pub fn run<B: Backend>(
     span: Span,
     cancel: Option<&AtomicBool>,
 ) -> Result<()> {
-    if span.start {
-        match &w.embed_proj {
-            None => backend.embed(&w.embed, &buf.step, &mut buf.x),
-            Some(proj) => {
-                backend.embed_half(&w.embed, &buf.step, &mut buf.h);
-                backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
-            }
-        }
-    }
+    let config = &w.config;
+    let arch = &config.architecture;
     let body = buf.body.clone();
-    for app in span.applications(&w.config) {
+    let apply = |buf: &mut Buffers<B>, app: Application| {
         if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
             return Err(Error::Cancelled);
         }
         let at = buf.kv.layout.at(app);
-        block_forward(
-            backend,
-            &w.config,
-            w.block(app, &body),
-            &w.rope,
-            buf,
-            rows,
-            at,
-        );
+        block_forward(backend, config, w.block(app, &body), &w.rope, buf, rows, at);
+        Ok(())
+    };
+    let stage_blocks = |stage, n: usize| {
+        (0..n).map(move |block| Application {
+            stage,
+            block,
+            iteration: 0,
+        })
+    };
+    if span.start {
+        embed(backend, w, buf, rows);
+        for app in stage_blocks(Stage::Pre, config.n_pre_blocks) {
+            apply(buf, app)?;
+        }
+    }
+    for iteration in span.first..=span.last {
+        if iteration == 1 {
+            begin_loop(backend, w, buf, rows);
+        }
+        if let Some(adapter) = &w.adapter {
+            // x = adapter.state · x + adapter.input · e, the second term computed at the start.
+            let d = config.dim;
+            backend.to_half(&buf.x, rows * d, &mut buf.h);
+            backend.copy_rows(&buf.loop_input, 0, &mut buf.x, 0, rows, d);
+            backend.linear(&buf.h, 0, rows, &adapter.state, &mut buf.x, true);
+        }
+        for block in 0..config.n_loop_blocks {
+            let app = Application {
+                stage: Stage::Loop,
+                block,
+                iteration,
+            };
+            apply(buf, app)?;
+        }
+        if arch.loop_norm == LoopNorm::EachIteration {
+            norm_state(backend, w, buf, rows);
+        }
+    }
+    if span.post {
+        if arch.loop_norm == LoopNorm::AfterLoop {
+            norm_state(backend, w, buf, rows);
+        }
+        for app in stage_blocks(Stage::Post, config.n_post_blocks) {
+            apply(buf, app)?;
+        }
     }
     Ok(())
+}
+
+/// The embedding of the staged tokens into the residual stream, scaled as the architecture says.
+fn embed<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    match &w.embed_proj {
+        None => backend.embed(&w.embed, &buf.step, &mut buf.x),
+        Some(proj) => {
+            backend.embed_half(&w.embed, &buf.step, &mut buf.h);
+            backend.linear(&buf.h, 0, rows, proj, &mut buf.x, false);
+        }
+    }
+    let scale = w.config.architecture.embed_scale;
+    if scale != 1.0 {
+        backend.scale(&mut buf.x, rows * w.config.dim, scale as f32);
+    }
+}
+
+/// Before loop iteration 1, with the residual stream holding the pre blocks' output `e`: compute
+/// the loop input from `e` (loop adapter) and replace the stream by the initial state (random
+/// loop state). A loop that carries its state starts from `e` itself.
+fn begin_loop<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    let d = w.config.dim;
+    if let Some(adapter) = &w.adapter {
+        backend.to_half(&buf.x, rows * d, &mut buf.h);
+        backend.linear(&buf.h, 0, rows, &adapter.input, &mut buf.loop_input, false);
+    }
+    if w.config.architecture.loop_state == LoopState::Random {
+        backend.copy_rows(&buf.initial_state, 0, &mut buf.x, 0, rows, d);
+    }
+}
+
+/// `x = final_norm(x)` in f32: the loop norm.
+fn norm_state<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+    let norm = norm_layer(&w.config, &w.final_norm);
+    backend.norm_state(&norm, &mut buf.x, rows);
+}
+
+/// Whether [`Span::post`] changes the residual stream (post blocks or a loop norm before them):
+/// readers of the stream after an iteration then run it on a copy.
+pub fn post_changes_state(config: &ModelConfig) -> bool {
+    config.n_post_blocks > 0 || config.architecture.loop_norm == LoopNorm::AfterLoop
 }
 
 /// Copy `rows` rows of the residual stream, from row `from`, to row `to_row` of another buffer.
@@ -425,6 +546,9 @@ pub fn decode_step<B: Backend>(
     if let Some(row) = decode.hidden_row {
         let width = buf.width();
         backend.copy_rows(&buf.x, 0, &mut buf.hidden, row, 1, width);
+        if w.adapter.is_some() {
+            backend.copy_rows(&buf.loop_input, 0, &mut buf.hidden_input, row, 1, width);
+        }
     }
     if decode.head {
         run(backend, w, buf, 1, Span::post(), None)?;
@@ -465,6 +589,9 @@ pub fn verify_step<B: Backend>(
     let span = if reuse {
         let width = buf.width();
         backend.copy_rows(&buf.hidden, 0, &mut buf.x, 0, rows, width);
+        if w.adapter.is_some() {
+            backend.copy_rows(&buf.hidden_input, 0, &mut buf.loop_input, 0, rows, width);
+        }
         Span {
             start: false,
             first: draft_loops + 1,
@@ -538,9 +665,11 @@ fn block_forward<B: Backend>(
     rows: usize,
     at: KvSlot,
 ) {
-    // Attention: x += attn_out · attention(rope(qkv · norm(x)))
-    let (norms, linears) = (block.norms, block.linears);
-    let attn_norm = norm_layer(config, &norms.attn_norm);
+    let (vectors, linears) = (block.vectors, block.linears);
+    let layout = config.architecture.block_norms;
+
+    // Attention: f = attn_out · attention(rope(qkv · norm(x) + bias))
+    let attn_norm = norm_layer(config, &vectors.attn_norm);
     if buf.kv.layout.mode.stores_input() {
         // The cache keeps h itself, so h must exist (not be fused into the product).
         backend.norm(&attn_norm, &buf.x, rows, &mut buf.h);
@@ -555,6 +684,9 @@ fn block_forward<B: Backend>(
             &mut buf.qkv,
         );
     }
+    if let Some(bias) = &vectors.qkv_bias {
+        backend.add_bias(&mut buf.qkv, rows, bias);
+    }
     backend.rope_attention(
         &mut buf.qkv,
         &buf.h,
@@ -566,10 +698,17 @@ fn block_forward<B: Backend>(
         &linears.attn_qkv,
         &mut buf.att,
     );
-    backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.x, true);
+    match &vectors.attn_out_norm {
+        None => backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.x, true),
+        Some(out_norm) => {
+            backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.delta, false);
+            let out_norm = norm_layer(config, out_norm);
+            backend.residual_norm(&out_norm, &buf.delta, rows, &mut buf.x, layout);
+        }
+    }
 
-    // MLP: x += mlp_down · (silu(mlp_gate · norm(x)) * (mlp_up · norm(x)))
-    let mlp_norm = norm_layer(config, &norms.mlp_norm);
+    // MLP: f = mlp_down · (silu(mlp_gate · norm(x)) * (mlp_up · norm(x)))
+    let mlp_norm = norm_layer(config, &vectors.mlp_norm);
     backend.norm_mlp_gate_up(
         &mlp_norm,
         &buf.x,
@@ -580,7 +719,14 @@ fn block_forward<B: Backend>(
         (&mut buf.gate, &mut buf.up),
         &mut buf.act,
     );
-    backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.x, true);
+    match &vectors.mlp_out_norm {
+        None => backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.x, true),
+        Some(out_norm) => {
+            backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.delta, false);
+            let out_norm = norm_layer(config, out_norm);
+            backend.residual_norm(&out_norm, &buf.delta, rows, &mut buf.x, layout);
+        }
+    }
 }
 
 fn norm_layer<'a, B: Backend>(config: &ModelConfig, n: &'a Norm<B>) -> NormLayer<'a, B::Vector> {
@@ -592,10 +738,15 @@ fn norm_layer<'a, B: Backend>(config: &ModelConfig, n: &'a Norm<B>) -> NormLayer
     }
 }
 
-/// Apply the final norm to the step's `rows` rows.
+/// The head's input for the step's `rows` rows: the final norm of the state, or the state itself
+/// where the loop norm already normed it (`head_norm` false), rounded to f16.
 pub fn final_norm<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
-    let norm = norm_layer(&w.config, &w.final_norm);
-    backend.norm(&norm, &buf.x, rows, &mut buf.h);
+    if w.config.architecture.head_norm {
+        let norm = norm_layer(&w.config, &w.final_norm);
+        backend.norm(&norm, &buf.x, rows, &mut buf.h);
+    } else {
+        backend.to_half(&buf.x, rows * w.config.dim, &mut buf.h);
+    }
 }
 
 /// Logits of rows `first_row..first_row + n` (n ≤ LOGIT_ROWS) of the final-normed step into

@@ -1,5 +1,6 @@
 //! Tensor names and shapes that a config implies (the naming contract of docs/FORMAT.md).
 
+use super::architecture::LoopInput;
 use super::config::{HeadKind, ModelConfig, NormKind};
 
 /// Which stage of the network a block belongs to.
@@ -24,7 +25,7 @@ impl Stage {
 pub enum TensorRole {
     /// A linear weight `[out, in]`: f16, int4 or int2.
     Linear,
-    /// A norm weight or bias: f16.
+    /// A norm weight, a norm or projection bias: f16.
     Vector,
     /// The embedding table: f16.
     Table,
@@ -34,7 +35,7 @@ impl TensorRole {
     pub fn describe(self) -> &'static str {
         match self {
             TensorRole::Linear => "linear weight (f16, int4 or int2)",
-            TensorRole::Vector => "norm parameter (f16)",
+            TensorRole::Vector => "norm weight or bias (f16)",
             TensorRole::Table => "embedding table (f16)",
         }
     }
@@ -48,8 +49,9 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// One of the five linears of a block (the weights that synth and convert quantize).
-    pub fn is_block_linear(&self) -> bool {
+    /// A linear that synth and convert quantize: the five of each block and the loop adapter's
+    /// (the embedding, its projection, the exit gate and the head stay f16).
+    pub fn is_quantizable(&self) -> bool {
         self.role == TensorRole::Linear && self.name.contains('.')
     }
 }
@@ -116,20 +118,53 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<TensorSpec> {
     if r > 0 {
         out.push(linear("embed_proj".into(), [config.dim, r]));
     }
+    let arch = &config.architecture;
+    let vector = |name: String, len: usize| TensorSpec {
+        name,
+        shape: vec![len as u64],
+        role: TensorRole::Vector,
+    };
     for (stage, index) in blocks(config) {
         let block = block_name(stage, index);
-        norm_specs(&format!("{block}.attn_norm"), config, &mut out);
-        norm_specs(&format!("{block}.mlp_norm"), config, &mut out);
+        for norm in block_norm_names(config) {
+            norm_specs(&format!("{block}.{norm}"), config, &mut out);
+        }
         for name in BLOCK_LINEARS {
             out.push(linear(
                 format!("{block}.{name}"),
                 linear_shape(config, name),
             ));
         }
+        if arch.qkv_bias {
+            out.push(vector(format!("{block}.attn_qkv.bias"), config.qkv_dim()));
+        }
+    }
+    if arch.loop_input == LoopInput::Adapter {
+        for name in ADAPTER_LINEARS {
+            out.push(linear(name.into(), [config.dim, config.dim]));
+        }
     }
     norm_specs("final_norm", config, &mut out);
+    if arch.exit_gate {
+        out.push(linear("exit_gate".into(), [1, config.dim]));
+        out.push(vector("exit_gate.bias".into(), 1));
+    }
     if config.head == HeadKind::Untied {
         out.push(linear("head".into(), [config.vocab_size, config.dim]));
     }
     out
+}
+
+/// The halves of the loop adapter `[D, 2D]` over `concat(state, e)`: `adapter.state · state +
+/// adapter.input · e`. Stored and quantized like block linears.
+pub const ADAPTER_LINEARS: [&str; 2] = ["adapter.state", "adapter.input"];
+
+/// The norms of each block, in the order they apply: before and (sandwich layouts) after
+/// attention, then the same around the MLP.
+pub fn block_norm_names(config: &ModelConfig) -> &'static [&'static str] {
+    if config.architecture.block_norms.has_out_norms() {
+        &["attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm"]
+    } else {
+        &["attn_norm", "mlp_norm"]
+    }
 }

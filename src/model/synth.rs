@@ -3,6 +3,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::architecture::{Architecture, BlockNorms, LoopInput, LoopNorm, LoopState};
 use super::config::{HeadKind, ModelConfig, NormKind};
 use super::layout::{expected_tensors, TensorRole};
 use super::quant::{group_size_for, quantize_rtn, LinearData};
@@ -11,7 +12,17 @@ use crate::format::{DType, FileWriter};
 use crate::generate::sampling::Rng;
 
 /// Names accepted by [`preset`].
-pub const PRESETS: [&str; 5] = ["tiny", "small", "tl-407m", "tiny-gqa", "tiny-tied"];
+pub const PRESETS: [&str; 9] = [
+    "tiny",
+    "small",
+    "tl-407m",
+    "tiny-gqa",
+    "tiny-tied",
+    "tiny-sandwich",
+    "tiny-recurrent",
+    "ouro-1.4b",
+    "huginn-3.5b",
+];
 
 /// The architecture of a named preset.
 ///
@@ -22,6 +33,14 @@ pub const PRESETS: [&str; 5] = ["tiny", "small", "tl-407m", "tiny-gqa", "tiny-ti
 /// * `tiny-gqa`: GQA (4 heads, 2 KV heads), LayerNorm, factorized embedding with tied head,
 ///   1 pre + 2 loop + 1 post blocks, L 3.
 /// * `tiny-tied`: no pre blocks, tied full-rank head, L 2.
+/// * `tiny-sandwich`: Ouro's architecture (sandwich norms, the final norm after every iteration
+///   feeding the next, an exit gate), no pre blocks, 2 loop blocks, L 4.
+/// * `tiny-recurrent`: Huginn's architecture (norms after the residual add, a QKV bias, a scaled
+///   embedding, a loop adapter over a random initial state, the final norm after the loop),
+///   2 pre + 2 loop + 2 post blocks, tied head, L 4.
+/// * `ouro-1.4b`: Ouro-1.4B's shape: D 2048, 16 heads, F 5632, vocab 49152, 24 loop blocks, L 4.
+/// * `huginn-3.5b`: Huginn-0125's shape: D 5280, 55 heads, F 17920, vocab 65536, 2 pre + 4 loop
+///   + 2 post blocks, L 32.
 pub fn preset(name: &str) -> Result<ModelConfig> {
     let base = ModelConfig {
         dim: 64,
@@ -39,6 +58,7 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
         rope_theta: 10000.0,
         max_position: 2048,
         head: HeadKind::Untied,
+        architecture: Default::default(),
     };
     Ok(match name {
         "tiny" => base,
@@ -77,6 +97,52 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             head: HeadKind::Tied,
             ..base
         },
+        "tiny-sandwich" => ModelConfig {
+            ffn_dim: 128,
+            n_kv_heads: 2,
+            n_pre_blocks: 0,
+            n_loop_blocks: 2,
+            architecture: ouro_architecture(),
+            ..base
+        },
+        "tiny-recurrent" => ModelConfig {
+            ffn_dim: 128,
+            n_loop_blocks: 2,
+            n_post_blocks: 2,
+            head: HeadKind::Tied,
+            architecture: huginn_architecture(64),
+            ..base
+        },
+        "ouro-1.4b" => ModelConfig {
+            dim: 2048,
+            n_heads: 16,
+            n_kv_heads: 16,
+            ffn_dim: 5632,
+            vocab_size: 49152,
+            n_pre_blocks: 0,
+            n_loop_blocks: 24,
+            norm_eps: 1e-6,
+            rope_theta: 1e6,
+            max_position: 65536,
+            architecture: ouro_architecture(),
+            ..base
+        },
+        "huginn-3.5b" => ModelConfig {
+            dim: 5280,
+            n_heads: 55,
+            n_kv_heads: 55,
+            ffn_dim: 17920,
+            vocab_size: 65536,
+            n_loop_blocks: 4,
+            n_post_blocks: 2,
+            default_loops: 32,
+            norm_eps: 1e-6,
+            rope_theta: 50000.0,
+            max_position: 4096,
+            head: HeadKind::Tied,
+            architecture: huginn_architecture(5280),
+            ..base
+        },
         other => {
             return Err(Error::invalid(format!(
                 "unknown preset {other:?} (known: {})",
@@ -84,6 +150,35 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             )))
         }
     })
+}
+
+/// Ouro's choices: sandwich norms, the final norm after every iteration (no second one before
+/// the head), an exit gate.
+fn ouro_architecture() -> Architecture {
+    Architecture {
+        block_norms: BlockNorms::Sandwich,
+        loop_norm: LoopNorm::EachIteration,
+        head_norm: false,
+        exit_gate: true,
+        ..Architecture::default()
+    }
+}
+
+/// Huginn's choices for model width `dim`: norms after the residual add, a QKV bias, the
+/// embedding scaled by √dim, an adapter over a random initial state of standard deviation
+/// √(2 / 5·dim) · √dim, the final norm after the loop and again before the head.
+fn huginn_architecture(dim: usize) -> Architecture {
+    let d = dim as f64;
+    Architecture {
+        block_norms: BlockNorms::SandwichResidual,
+        qkv_bias: true,
+        embed_scale: d.sqrt(),
+        loop_input: LoopInput::Adapter,
+        loop_state: LoopState::Random,
+        state_std: (2.0 / (5.0 * d)).sqrt() * d.sqrt(),
+        loop_norm: LoopNorm::AfterLoop,
+        ..Architecture::default()
+    }
 }
 
 /// Random weights for `config`: block linears stored at `bits` (16, 4 or 2) with `group_size`
@@ -98,7 +193,7 @@ pub fn random_model(
     let dtype = DType::from_bits(bits)?;
     let specs = expected_tensors(config);
     if dtype.is_quantized() {
-        for spec in specs.iter().filter(|s| s.is_block_linear()) {
+        for spec in specs.iter().filter(|s| s.is_quantizable()) {
             group_size_for(&spec.name, dtype, spec.shape[1] as usize, group_size)?;
         }
     }
@@ -109,7 +204,7 @@ pub fn random_model(
         .map(|(i, spec)| {
             let mut rng = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
             let values = random_values(&spec.name, &spec.shape, spec.role, &mut rng)?;
-            let data = if spec.is_block_linear() && dtype.is_quantized() {
+            let data = if spec.is_quantizable() && dtype.is_quantized() {
                 let (rows, cols) = (spec.shape[0] as usize, spec.shape[1] as usize);
                 LinearData::Quantized(quantize_rtn(&values, rows, cols, dtype, group_size)?)
             } else {

@@ -5,8 +5,9 @@ use crate::error::{Error, Result};
 use crate::format::{DType, ModelFile};
 use crate::kv::Application;
 use crate::model::body::{BlockLinears, BodyStore, LoopBody};
+use crate::model::architecture::LoopInput;
 use crate::model::config::{HeadKind, ModelConfig};
-use crate::model::layout::{block_name, blocks, Stage, BLOCK_LINEARS};
+use crate::model::layout::{block_name, blocks, Stage, ADAPTER_LINEARS, BLOCK_LINEARS};
 use crate::model::quant::{f16_from_bytes, f16_values};
 
 pub struct Norm<B: Backend> {
@@ -14,16 +15,35 @@ pub struct Norm<B: Backend> {
     pub bias: Option<B::Vector>,
 }
 
-/// The norms of one block (the same at every precision of its linears).
-pub struct BlockNorms<B: Backend> {
+/// The vectors of one block: its norms and biases (the same at every precision of its linears).
+pub struct BlockVectors<B: Backend> {
     pub attn_norm: Norm<B>,
+    /// After attention, in the sandwich layouts.
+    pub attn_out_norm: Option<Norm<B>>,
     pub mlp_norm: Norm<B>,
+    /// After the MLP, in the sandwich layouts.
+    pub mlp_out_norm: Option<Norm<B>>,
+    /// Added to the QKV projection before RoPE.
+    pub qkv_bias: Option<B::Vector>,
 }
 
-/// What one block application runs: its norms and its linears.
+/// What one block application runs: its vectors and its linears.
 pub struct Block<'a, B: Backend> {
-    pub norms: &'a BlockNorms<B>,
+    pub vectors: &'a BlockVectors<B>,
     pub linears: &'a BlockLinears<B>,
+}
+
+/// The loop input `adapter.state · x + adapter.input · e` ([`LoopInput::Adapter`]).
+pub struct Adapter<B: Backend> {
+    pub state: B::Linear,
+    pub input: B::Linear,
+}
+
+/// The exit gate: λ = σ(weight · state + bias), one value per row.
+pub struct ExitGate<B: Backend> {
+    /// `[1, D]`, f16.
+    pub weight: B::Linear,
+    pub bias: f32,
 }
 
 pub enum Head<B: Backend> {
@@ -39,13 +59,15 @@ pub struct Weights<B: Backend> {
     /// `[vocab, D]` or `[vocab, r]`, always f16.
     pub embed: B::Linear,
     pub embed_proj: Option<B::Linear>,
-    /// Norms of the pre blocks, then the loop blocks, then the post blocks.
-    pub norms: Vec<BlockNorms<B>>,
+    /// Vectors of the pre blocks, then the loop blocks, then the post blocks.
+    pub vectors: Vec<BlockVectors<B>>,
     /// Linears of the pre blocks, then the post blocks.
     pub unshared: Vec<BlockLinears<B>>,
     /// Linears of the loop blocks, at the precisions the sessions run.
     pub body: BodyStore<B>,
+    pub adapter: Option<Adapter<B>>,
     pub final_norm: Norm<B>,
+    pub exit_gate: Option<ExitGate<B>>,
     pub head: Head<B>,
     /// RoPE (cos, sin) table for every position a session may use.
     pub rope: B::Float,
@@ -67,13 +89,28 @@ impl<B: Backend> Weights<B> {
         } else {
             None
         };
-        let (mut norms, mut unshared, mut body) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut vectors, mut unshared, mut body) = (Vec::new(), Vec::new(), Vec::new());
+        let mut vector_values = 0;
         for (stage, index) in blocks(&config) {
             let b = block_name(stage, index);
-            norms.push(BlockNorms {
-                attn_norm: load_norm(backend, file, &format!("{b}.attn_norm"))?,
-                mlp_norm: load_norm(backend, file, &format!("{b}.mlp_norm"))?,
-            });
+            let norm = |name: &str| load_norm(backend, file, &format!("{b}.{name}"));
+            let out_norm = |name: &str| -> Result<_> {
+                let sandwich = config.architecture.block_norms.has_out_norms();
+                sandwich.then(|| norm(name)).transpose()
+            };
+            let qkv_bias = match file.tensor(&format!("{b}.attn_qkv.bias")) {
+                Some((_, bytes)) => Some(backend.upload_vector(&f16_from_bytes(bytes))?),
+                None => None,
+            };
+            let block = BlockVectors {
+                attn_norm: norm("attn_norm")?,
+                attn_out_norm: out_norm("attn_out_norm")?,
+                mlp_norm: norm("mlp_norm")?,
+                mlp_out_norm: out_norm("mlp_out_norm")?,
+                qkv_bias,
+            };
+            vector_values += block.values(&config);
+            vectors.push(block);
             let [qkv, out, gate, up, down] = BLOCK_LINEARS.map(|n| format!("{b}.{n}"));
             let block = BlockLinears::from_array([
                 linear(&qkv)?,
@@ -99,6 +136,31 @@ impl<B: Backend> Weights<B> {
             (HeadKind::Tied, _) => Head::TiedFactorized(linear_transposed(backend, file)?),
         };
         let final_norm = load_norm(backend, file, "final_norm")?;
+        let adapter = match config.architecture.loop_input {
+            LoopInput::None => None,
+            LoopInput::Adapter => {
+                let [state, input] = ADAPTER_LINEARS.map(linear);
+                let adapter = Adapter {
+                    state: state?,
+                    input: input?,
+                };
+                for w in [&adapter.state, &adapter.input] {
+                    backend.prepare_block_weight(w, true)?;
+                }
+                Some(adapter)
+            }
+        };
+        let exit_gate = if config.architecture.exit_gate {
+            let (_, bias) = file
+                .tensor("exit_gate.bias")
+                .ok_or_else(|| Error::format("missing tensor exit_gate.bias"))?;
+            Some(ExitGate {
+                weight: linear("exit_gate")?,
+                bias: f16_from_bytes(bias)[0].to_f32(),
+            })
+        } else {
+            None
+        };
         let mut rope = backend.alloc_float(table.len())?;
         backend.write_float(&mut rope, &table)?;
         // The body store counts the loop body; these are the other weights' bytes.
@@ -106,22 +168,28 @@ impl<B: Backend> Weights<B> {
             Head::Untied(w) | Head::TiedFactorized(w) => Some(w),
             Head::Tied => None,
         };
-        let linears = [Some(&embed), embed_proj.as_ref(), head_linear]
+        let adapter_linears = adapter.iter().flat_map(|a| [&a.state, &a.input]);
+        let gate = exit_gate.as_ref().map(|g| &g.weight);
+        let linears = [Some(&embed), embed_proj.as_ref(), head_linear, gate]
             .into_iter()
             .flatten()
+            .chain(adapter_linears)
             .chain(unshared.iter().flat_map(|b| b.all()));
+        let norm_values = config.dim * if final_norm.bias.is_some() { 2 } else { 1 };
         let bytes = linears.map(|w| backend.linear_bytes(w)).sum::<usize>()
             + table.len() * 4
-            + 2 * config.dim * 2 * (norms.len() + 1);
+            + 2 * (vector_values + norm_values);
         let body = BodyStore::new(backend, body)?;
         Ok(Weights {
             config,
             embed,
             embed_proj,
-            norms,
+            vectors,
             unshared,
             body,
+            adapter,
             final_norm,
+            exit_gate,
             head,
             rope,
             bytes,
@@ -134,7 +202,7 @@ impl<B: Backend> Weights<B> {
     /// body of the session's tier).
     pub fn block<'a>(&'a self, app: Application, body: &'a LoopBody<B>) -> Block<'a, B> {
         let c = &self.config;
-        let (norm, linears) = match app.stage {
+        let (vectors, linears) = match app.stage {
             Stage::Pre => (app.block, &self.unshared[app.block]),
             Stage::Loop => (c.n_pre_blocks + app.block, &body.blocks[app.block]),
             Stage::Post => (
@@ -143,7 +211,7 @@ impl<B: Backend> Weights<B> {
             ),
         };
         Block {
-            norms: &self.norms[norm],
+            vectors: &self.vectors[vectors],
             linears,
         }
     }
@@ -151,6 +219,18 @@ impl<B: Backend> Weights<B> {
     /// Device bytes of the weights now: those outside the loop body, and the live bodies.
     pub fn live_bytes(&self) -> usize {
         self.bytes + self.body.live_bytes()
+    }
+}
+
+impl<B: Backend> BlockVectors<B> {
+    /// Values held (each stored as f16 on the device), for the memory count.
+    fn values(&self, config: &ModelConfig) -> usize {
+        let norm = |n: &Norm<B>| config.dim * if n.bias.is_some() { 2 } else { 1 };
+        let out_norms = [&self.attn_out_norm, &self.mlp_out_norm];
+        norm(&self.attn_norm)
+            + norm(&self.mlp_norm)
+            + out_norms.iter().filter_map(|n| n.as_ref()).map(norm).sum::<usize>()
+            + self.qkv_bias.as_ref().map_or(0, |_| config.qkv_dim())
     }
 }
 

@@ -156,6 +156,7 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
         rows,
         layout,
         weights.body.loaded().unwrap(),
+        tinyloop::StateInit::Model,
     )
     .unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);

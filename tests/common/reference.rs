@@ -72,7 +72,23 @@ impl Reference {
             .collect()
     }
 
+    /// The architecture choice `key` (docs/FORMAT.md version 2), or its version-1 default.
+    fn arch(&self, key: &str, default: Value) -> Value {
+        let arch = &self.cfg["architecture"];
+        if arch.is_null() {
+            default
+        } else {
+            arch[key].clone()
+        }
+    }
+
+    /// A norm whose output feeds a linear: rounded to f16.
     fn norm(&self, name: &str, x: &[f64]) -> Vec<f64> {
+        self.norm_exact(name, x).into_iter().map(r16).collect()
+    }
+
+    /// A norm whose output stays in the residual stream: not rounded.
+    fn norm_exact(&self, name: &str, x: &[f64]) -> Vec<f64> {
         let n = x.len() as f64;
         let eps = self.cfg["norm_eps"].as_f64().unwrap();
         let w = self.t(name);
@@ -88,7 +104,7 @@ impl Reference {
         (0..x.len())
             .map(|i| {
                 let b = if layer { self.t(&bias_name)[i] } else { 0.0 };
-                r16((x[i] - mean) * inv * w[i] + b)
+                (x[i] - mean) * inv * w[i] + b
             })
             .collect()
     }
@@ -113,11 +129,28 @@ impl Reference {
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
+        let layout = self.arch("block_norms", "pre".into());
+        // x ← x + f (pre), x + norm_out(f) (sandwich) or norm_out(x + f) (sandwich_residual).
+        let update = |x: &mut Vec<f64>, f: Vec<f64>, out_norm: &str| match layout.as_str() {
+            Some("pre") => x.iter_mut().zip(f).for_each(|(a, b)| *a += b),
+            Some("sandwich") => {
+                let n = self.norm_exact(&format!("{name}.{out_norm}"), &f);
+                x.iter_mut().zip(n).for_each(|(a, b)| *a += b);
+            }
+            Some("sandwich_residual") => {
+                x.iter_mut().zip(f).for_each(|(a, b)| *a += b);
+                *x = self.norm_exact(&format!("{name}.{out_norm}"), x);
+            }
+            other => panic!("block_norms {other:?}"),
+        };
         for (pos, x) in xs.iter().enumerate() {
-            let qkv = self.matvec(
+            let mut qkv = self.matvec(
                 &format!("{name}.attn_qkv"),
                 &self.norm(&format!("{name}.attn_norm"), x),
             );
+            if let Some((_, bias)) = self.tensors.get(&format!("{name}.attn_qkv.bias")) {
+                qkv.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+            }
             let mut q = qkv[..h * hd].to_vec();
             let mut k = qkv[h * hd..(h + hkv) * hd].to_vec();
             self.rope(&mut q, pos, hd);
@@ -153,7 +186,7 @@ impl Reference {
             }
             let att: Vec<f64> = att.iter().map(|&v| r16(v)).collect();
             let o = self.matvec(&format!("{name}.attn_out"), &att);
-            x.iter_mut().zip(o).for_each(|(a, b)| *a += b);
+            update(x, o, "attn_out_norm");
             let hn = self.norm(&format!("{name}.mlp_norm"), x);
             let g = self.matvec(&format!("{name}.mlp_gate"), &hn);
             let u = self.matvec(&format!("{name}.mlp_up"), &hn);
@@ -163,38 +196,69 @@ impl Reference {
                 .map(|(g, u)| r16(g / (1.0 + (-g).exp()) * u))
                 .collect();
             let down = self.matvec(&format!("{name}.mlp_down"), &a);
-            x.iter_mut().zip(down).for_each(|(a, b)| *a += b);
+            update(x, down, "mlp_out_norm");
         }
     }
 
-    /// Logits `[n][vocab]` for every position of `tokens` at `loops` iterations.
+    /// Logits `[n][vocab]` for every position of `tokens` at `loops` iterations (a random loop
+    /// state starts from zeros: open the runtime with `state_init` zeros).
     pub fn logits(&self, tokens: &[u32], loops: usize) -> Vec<Vec<f64>> {
         let r = self.c("embed_factor_dim");
         let width = if r > 0 { r } else { self.c("dim") };
+        let scale = self.arch("embed_scale", 1.0.into()).as_f64().unwrap();
         let mut xs: Vec<Vec<f64>> = tokens
             .iter()
             .map(|&t| {
                 let e = self.t("embed")[t as usize * width..(t as usize + 1) * width].to_vec();
-                if r > 0 {
-                    self.matvec("embed_proj", &e)
-                } else {
-                    e
-                }
+                let e = if r > 0 { self.matvec("embed_proj", &e) } else { e };
+                // The product is rounded to f32, as the runtime's stream holds it.
+                e.iter().map(|v| (v * scale) as f32 as f64).collect()
             })
             .collect();
-        let mut names: Vec<String> = (0..self.c("n_pre_blocks"))
-            .map(|i| format!("pre.{i}"))
-            .collect();
+        for i in 0..self.c("n_pre_blocks") {
+            self.block(&format!("pre.{i}"), &mut xs);
+        }
+        // The loop's input (adapter) and initial state.
+        let adapter = self.arch("loop_input", "none".into()) == "adapter";
+        let inputs: Vec<Vec<f64>> = if adapter {
+            let r16s = |x: &Vec<f64>| x.iter().map(|&v| r16(v)).collect::<Vec<_>>();
+            xs.iter().map(|e| self.matvec("adapter.input", &r16s(e))).collect()
+        } else {
+            Vec::new()
+        };
+        if self.arch("loop_state", "carry".into()) == "random" {
+            xs.iter_mut().for_each(|x| x.fill(0.0));
+        }
+        let loop_norm = self.arch("loop_norm", "none".into());
         for _ in 0..loops {
-            names.extend((0..self.c("n_loop_blocks")).map(|j| format!("loop.{j}")));
+            if adapter {
+                for (x, input) in xs.iter_mut().zip(&inputs) {
+                    let h: Vec<f64> = x.iter().map(|&v| r16(v)).collect();
+                    let s = self.matvec("adapter.state", &h);
+                    *x = input.iter().zip(s).map(|(a, b)| a + b).collect();
+                }
+            }
+            for j in 0..self.c("n_loop_blocks") {
+                self.block(&format!("loop.{j}"), &mut xs);
+            }
+            if loop_norm == "each_iteration" {
+                xs.iter_mut().for_each(|x| *x = self.norm_exact("final_norm", x));
+            }
         }
-        names.extend((0..self.c("n_post_blocks")).map(|i| format!("post.{i}")));
-        for name in &names {
-            self.block(name, &mut xs);
+        if loop_norm == "after_loop" {
+            xs.iter_mut().for_each(|x| *x = self.norm_exact("final_norm", x));
         }
+        for i in 0..self.c("n_post_blocks") {
+            self.block(&format!("post.{i}"), &mut xs);
+        }
+        let head_norm = self.arch("head_norm", true.into()).as_bool().unwrap();
         xs.iter()
             .map(|x| {
-                let h = self.norm("final_norm", x);
+                let h = if head_norm {
+                    self.norm("final_norm", x)
+                } else {
+                    x.iter().map(|&v| r16(v)).collect()
+                };
                 if self.cfg["head"] == "untied" {
                     self.matvec("head", &h)
                 } else if r > 0 {

@@ -8,6 +8,7 @@ mod linear;
 use half::f16;
 
 use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, StepInput};
+use crate::model::architecture::BlockNorms;
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::generate::sampling;
@@ -49,6 +50,25 @@ pub(crate) fn try_zeroed<T: Clone + Default>(len: usize, what: &str) -> Result<V
     })?;
     v.resize(len, T::default());
     Ok(v)
+}
+
+/// `out = norm(row)` in f32: `(row − mean) / sqrt(var + ε) · weight (+ bias)`, the mean and
+/// variance summed in index order (the mean is 0 for RMSNorm).
+fn normalize(norm: &NormLayer<Vec<f32>>, row: &[f32], out: &mut [f32]) {
+    let n = row.len() as f32;
+    let (mean, var) = match norm.kind {
+        NormKind::RmsNorm => (0.0, row.iter().map(|v| v * v).sum::<f32>() / n),
+        NormKind::LayerNorm => {
+            let mean = row.iter().sum::<f32>() / n;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            (mean, var)
+        }
+    };
+    let inv = 1.0 / (var + norm.eps).sqrt();
+    for (i, out) in out.iter_mut().enumerate() {
+        let b = norm.bias.map_or(0.0, |b| b[i]);
+        *out = (row[i] - mean) * inv * norm.weight[i] + b;
+    }
 }
 
 impl Backend for CpuBackend {
@@ -173,26 +193,56 @@ impl Backend for CpuBackend {
     }
 
     fn norm(&self, norm: &NormLayer<Vec<f32>>, x: &Vec<f32>, rows: usize, out: &mut Vec<f32>) {
-        let (weight, bias) = (norm.weight, norm.bias);
-        let d = weight.len();
-        for r in 0..rows {
-            let row = &x[r * d..(r + 1) * d];
-            let out = &mut out[r * d..(r + 1) * d];
-            let n = d as f32;
-            let (mean, var) = match norm.kind {
-                NormKind::RmsNorm => (0.0, row.iter().map(|v| v * v).sum::<f32>() / n),
-                NormKind::LayerNorm => {
-                    let mean = row.iter().sum::<f32>() / n;
-                    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-                    (mean, var)
+        let d = norm.weight.len();
+        for (row, out) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).take(rows) {
+            normalize(norm, row, out);
+            out.iter_mut().for_each(|v| *v = round_f16(*v));
+        }
+    }
+
+    fn norm_state(&self, norm: &NormLayer<Vec<f32>>, x: &mut Vec<f32>, rows: usize) {
+        let d = norm.weight.len();
+        let mut normed = vec![0.0; d];
+        for row in x.chunks_exact_mut(d).take(rows) {
+            normalize(norm, row, &mut normed);
+            row.copy_from_slice(&normed);
+        }
+    }
+
+    fn residual_norm(
+        &self,
+        norm: &NormLayer<Vec<f32>>,
+        delta: &Vec<f32>,
+        rows: usize,
+        x: &mut Vec<f32>,
+        layout: BlockNorms,
+    ) {
+        let d = norm.weight.len();
+        let mut normed = vec![0.0; d];
+        for (row, delta) in x.chunks_exact_mut(d).zip(delta.chunks_exact(d)).take(rows) {
+            match layout {
+                BlockNorms::Pre => unreachable!("pre-norm blocks have no output norm"),
+                BlockNorms::Sandwich => {
+                    normalize(norm, delta, &mut normed);
+                    row.iter_mut().zip(&normed).for_each(|(x, n)| *x += n);
                 }
-            };
-            let inv = 1.0 / (var + norm.eps).sqrt();
-            for i in 0..d {
-                let b = bias.map_or(0.0, |b| b[i]);
-                out[i] = round_f16((row[i] - mean) * inv * weight[i] + b);
+                BlockNorms::SandwichResidual => {
+                    row.iter_mut().zip(delta).for_each(|(x, d)| *x += d);
+                    normalize(norm, row, &mut normed);
+                    row.copy_from_slice(&normed);
+                }
             }
         }
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, rows: usize, bias: &Vec<f32>) {
+        for row in x.chunks_exact_mut(bias.len()).take(rows) {
+            row.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
+        }
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) {
+        x[..len].iter_mut().for_each(|v| *v *= factor);
     }
 
     fn linear(

@@ -95,6 +95,9 @@ pub(crate) struct Kernels {
     pub embed_f32: sys::CUfunction,
     pub embed_f16: sys::CUfunction,
     pub norm_rows: sys::CUfunction,
+    pub norm_state_rows: sys::CUfunction,
+    pub add_bias: sys::CUfunction,
+    pub scale_f32: sys::CUfunction,
     pub rope_kv: sys::CUfunction,
     pub to_half: sys::CUfunction,
     pub swiglu: sys::CUfunction,
@@ -138,7 +141,8 @@ impl Kernels {
         let limit = optin.saturating_sub(2048) as i32;
         let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
         let norm = self.gemv_norm.iter().chain(&self.gemv_gateup_norm);
-        let others = std::iter::once(&self.norm_rows).chain(&self.flash_attention);
+        let norms = [&self.norm_rows, &self.norm_state_rows];
+        let others = norms.into_iter().chain(&self.flash_attention);
         for f in all.chain(norm).chain(others) {
             set_attribute(
                 *f,
@@ -655,6 +659,9 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             embed_f32: get(ELEMENTWISE, "embed_f32")?,
             embed_f16: get(ELEMENTWISE, "embed_f16")?,
             norm_rows: get(ELEMENTWISE, "norm_rows")?,
+            norm_state_rows: get(ELEMENTWISE, "norm_state_rows")?,
+            add_bias: get(ELEMENTWISE, "add_bias")?,
+            scale_f32: get(ELEMENTWISE, "scale_f32")?,
             rope_kv: get(ELEMENTWISE, "rope_kv")?,
             to_half: get(ELEMENTWISE, "to_half")?,
             swiglu: get(ELEMENTWISE, "swiglu")?,

@@ -45,6 +45,7 @@ use crate::env::Vars;
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
+use crate::model::architecture::BlockNorms;
 use crate::model::config::{ModelConfig, NormKind};
 use crate::model::weights::Weights;
 use attention::{MAX_HEAD_DIM, MAX_SPLITS, SPLIT_ROWS};
@@ -383,6 +384,39 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// `norm_state_rows` in `mode` (cuda/elementwise.cu) over `rows` rows at `x`, reading the
+    /// rows at `delta` in modes 1 and 2.
+    fn norm_state_rows(
+        &self,
+        norm: &NormLayer<CudaVector>,
+        x: u64,
+        delta: u64,
+        rows: usize,
+        mode: i32,
+    ) {
+        let d = norm.weight.len;
+        self.run(
+            "norm_state_rows",
+            self.gpu.kernels.norm_state_rows,
+            (rows as u32, 1, 1),
+            d.min(256).div_ceil(32) as u32 * 32,
+            d * 4,
+            &[
+                Arg::P(x),
+                Arg::P(delta),
+                Arg::I(mode),
+                Arg::usize(d),
+                Arg::I((norm.kind == NormKind::LayerNorm) as i32),
+                Arg::F(norm.eps),
+                Arg::P(norm.weight.buf.ptr),
+                Arg::P(norm.bias.map_or(norm.weight.buf.ptr, |b| b.buf.ptr)),
+                Arg::I(norm.bias.is_some() as i32),
+            ],
+        );
+    }
+}
+
 impl Backend for CudaBackend {
     type Float = DevBuf;
     type Half = DevBuf;
@@ -637,6 +671,50 @@ impl Backend for CudaBackend {
 
     fn kv_move(&self, kv: &mut KvCache<CudaKv>, mv: &TierMove) {
         self.move_kv(kv, mv)
+    }
+
+    fn norm_state(&self, norm: &NormLayer<CudaVector>, x: &mut DevBuf, rows: usize) {
+        // Mode 0 does not read delta.
+        self.norm_state_rows(norm, x.ptr, x.ptr, rows, 0);
+    }
+
+    fn residual_norm(
+        &self,
+        norm: &NormLayer<CudaVector>,
+        delta: &DevBuf,
+        rows: usize,
+        x: &mut DevBuf,
+        layout: BlockNorms,
+    ) {
+        let mode = match layout {
+            BlockNorms::Pre => unreachable!("pre-norm blocks have no output norm"),
+            BlockNorms::Sandwich => 1,
+            BlockNorms::SandwichResidual => 2,
+        };
+        self.norm_state_rows(norm, x.ptr, delta.ptr, rows, mode);
+    }
+
+    fn add_bias(&self, x: &mut DevBuf, rows: usize, bias: &CudaVector) {
+        let width = bias.len;
+        self.run(
+            "add_bias",
+            self.gpu.kernels.add_bias,
+            (rows as u32, blocks_for(width, 256), 1),
+            256,
+            0,
+            &[Arg::P(x.ptr), Arg::usize(width), Arg::P(bias.buf.ptr)],
+        );
+    }
+
+    fn scale(&self, x: &mut DevBuf, len: usize, factor: f32) {
+        self.run(
+            "scale_f32",
+            self.gpu.kernels.scale_f32,
+            (blocks_for(len, 256), 1, 1),
+            256,
+            0,
+            &[Arg::P(x.ptr), Arg::usize(len), Arg::F(factor)],
+        );
     }
 
     fn to_half(&self, x: &DevBuf, len: usize, out: &mut DevBuf) {
