@@ -5,15 +5,17 @@ mod common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use tinyloop::convert::{convert, Checkpoint, ConvertOptions, Method};
+use tinyloop::convert::{convert, Checkpoint, ConvertOptions, Input, Method};
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::preset;
 use tinyloop::{Error, Model};
 
 fn options(st: PathBuf, cfg: PathBuf, bits: u32, method: Method, out: &str) -> ConvertOptions {
     ConvertOptions {
-        safetensors: st,
-        config: cfg,
+        input: Input::TinyLoop {
+            safetensors: st,
+            config: cfg,
+        },
         out: common::scratch("convert").join(out),
         bits,
         group_size: 32,

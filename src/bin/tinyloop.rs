@@ -75,6 +75,7 @@ fn draft_loop_count() -> impl Fn(&str) -> std::result::Result<usize, String> + C
                       <info|generate|score|bench|lens|trajectory|requantize> [OPTIONS]\n       \
                       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
                       tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
+                      tinyloop convert --hf DIR --out PATH [OPTIONS]\n       \
                       tinyloop help [COMMAND]",
     after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, score, \
                   bench, lens, trajectory, requantize, synth, convert)."
@@ -475,11 +476,15 @@ enum ToolCommand {
 #[derive(Args)]
 struct ConvertArgs {
     /// Checkpoint with the tensor names of docs/FORMAT.md (F32, F16 or BF16).
-    #[arg(long)]
-    safetensors: PathBuf,
+    #[arg(long, required_unless_present = "hf", requires = "config", conflicts_with = "hf")]
+    safetensors: Option<PathBuf>,
     /// JSON file holding the `config` object of docs/FORMAT.md.
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, requires = "safetensors", conflicts_with = "hf")]
+    config: Option<PathBuf>,
+    /// A Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files) of a
+    /// supported family: OuroForCausalLM (Ouro), RavenForCausalLM (Huginn).
+    #[arg(long, value_name = "DIR")]
+    hf: Option<PathBuf>,
     /// Where to write the .tinyloop file.
     #[arg(long)]
     out: PathBuf,
@@ -673,7 +678,7 @@ fn quantization_groups(bits: u32, group_size: Option<usize>) -> Result<usize> {
 }
 
 fn convert(args: ConvertArgs) -> Result<()> {
-    use tinyloop::convert::{ConvertOptions, Method};
+    use tinyloop::convert::{ConvertOptions, Input, Method};
     let method = match args.method.as_str() {
         "rtn" => Method::Rtn,
         "gptq" => Method::Gptq,
@@ -717,9 +722,21 @@ fn convert(args: ConvertArgs) -> Result<()> {
     if let Some(s) = &args.source {
         metadata.insert("source".into(), json!(s));
     }
+    let input = match (args.hf, args.safetensors, args.config) {
+        (Some(dir), _, _) => Input::HuggingFace(dir),
+        (None, Some(safetensors), Some(config)) => Input::TinyLoop {
+            safetensors,
+            config,
+        },
+        _ => unreachable!("clap requires --hf, or --safetensors with --config"),
+    };
+    if method == Method::Gptq && matches!(input, Input::HuggingFace(_)) {
+        return Err(Error::InvalidArgument(
+            "--method gptq calibrates on byte-level text; with --hf use --method rtn".into(),
+        ));
+    }
     let opts = ConvertOptions {
-        safetensors: args.safetensors,
-        config: args.config,
+        input,
         out: args.out.clone(),
         bits: args.bits,
         group_size,

@@ -1,8 +1,10 @@
-//! `tinyloop convert`: a safetensors checkpoint (tensor names of docs/FORMAT.md) plus a config
-//! JSON → a `.tinyloop` file with block weights at f16, int4 or int2, by round-to-nearest or GPTQ.
+//! `tinyloop convert`: a checkpoint → a `.tinyloop` file with block weights at f16, int4 or int2,
+//! by round-to-nearest or GPTQ. The checkpoint is a safetensors file with the tensor names of
+//! docs/FORMAT.md plus a config JSON, or a Hugging Face folder of a supported family ([`hf`]).
 
 mod capture;
 pub mod gptq;
+pub mod hf;
 pub mod requantize;
 
 use std::collections::HashMap;
@@ -40,10 +42,19 @@ pub enum Method {
     Gptq,
 }
 
+/// What a conversion reads.
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// A safetensors checkpoint with the tensor names of docs/FORMAT.md, and a JSON file holding
+    /// the `config` object.
+    TinyLoop { safetensors: PathBuf, config: PathBuf },
+    /// A Hugging Face checkpoint folder of a supported family ([`hf::SUPPORTED`]).
+    HuggingFace(PathBuf),
+}
+
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
-    pub safetensors: PathBuf,
-    pub config: PathBuf,
+    pub input: Input,
     pub out: PathBuf,
     /// 16, 4 or 2: the encoding of the five block linears. Everything else stays f16.
     pub bits: u32,
@@ -64,13 +75,36 @@ pub struct ConvertOptions {
 }
 
 /// A checkpoint tensor widened to f32.
+#[derive(Clone)]
 struct Tensor {
     shape: Vec<usize>,
     values: Vec<f32>,
 }
 
+/// Where the tensors of the `.tinyloop` layout come from, one at a time.
+trait Source {
+    fn config(&self) -> &ModelConfig;
+    /// The tensor `name` of the `.tinyloop` layout, of `shape`.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// Metadata the checkpoint brings (tokenizer, provenance).
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value>;
+}
+
 pub fn convert(opts: &ConvertOptions) -> Result<()> {
-    let config = read_config(&opts.config)?;
+    match &opts.input {
+        Input::TinyLoop {
+            safetensors,
+            config,
+        } => {
+            let config = read_config(config)?;
+            write_model(&read_checkpoint(safetensors, config)?, opts)
+        }
+        Input::HuggingFace(dir) => write_model(&hf::HfCheckpoint::open(dir)?, opts),
+    }
+}
+
+fn write_model(source: &dyn Source, opts: &ConvertOptions) -> Result<()> {
+    let config = source.config();
     let dtype = DType::from_bits(opts.bits)?;
     let specs = expected_tensors(&config);
     if dtype.is_quantized() {
@@ -79,17 +113,17 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
             group_size_for(&spec.name, dtype, spec.shape[1] as usize, opts.group_size)?;
         }
     }
-    let checkpoint = read_checkpoint(&opts.safetensors, &config)?;
     let hessians = match (opts.method, dtype.is_quantized()) {
-        (Method::Gptq, true) => Some(calibrate(&config, &checkpoint, opts)?),
+        (Method::Gptq, true) => Some(calibrate(source, opts)?),
         _ => None,
     };
 
     let mut writer = FileWriter::new(config.clone());
-    if config.vocab_size == 256 {
+    let brought = source.metadata();
+    if config.vocab_size == 256 && !brought.contains_key("tokenizer") {
         writer.set_metadata("tokenizer", serde_json::json!("bytes"));
     }
-    for (key, value) in &opts.metadata {
+    for (key, value) in brought.iter().chain(&opts.metadata) {
         writer.set_metadata(key, value.clone());
     }
     // Every block linear has the group size asked for (check_group_fits), or one group per row.
@@ -105,7 +139,8 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
     writer.set_metadata("quantization", serde_json::json!(method));
     let mut progress = Progress::new(opts.progress, specs.len(), "convert");
     for spec in &specs {
-        let t = checkpoint.get(&spec.name);
+        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let t = source.tensor(&spec.name, &shape)?;
         if !spec.is_quantizable() || !dtype.is_quantized() {
             let values = to_f16(&spec.name, &t.values)?;
             match spec.role {
@@ -117,8 +152,9 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
         } else {
             let (rows, cols) = (t.shape[0], t.shape[1]);
             let rtn = quantize_rtn(&t.values, rows, cols, dtype, opts.group_size)?;
-            let q = match &hessians {
-                Some(h) => best_of_gptq_and_rtn(&spec.name, &t.values, rtn, &h[&spec.name], opts)?,
+            // GPTQ calibrates the block linears; the loop adapter is rounded to nearest.
+            let q = match hessians.as_ref().and_then(|h| h.get(&spec.name)) {
+                Some(h) => best_of_gptq_and_rtn(&spec.name, &t.values, rtn, h, opts)?,
                 None => rtn,
             };
             for params in [&q.scales, &q.zeros] {
@@ -190,9 +226,9 @@ fn read_config(path: &Path) -> Result<ModelConfig> {
     Ok(config)
 }
 
-fn read_checkpoint(path: &Path, config: &ModelConfig) -> Result<Checkpoint> {
+fn read_checkpoint(path: &Path, config: ModelConfig) -> Result<Checkpoint> {
     let bytes = map_file(path)?;
-    Checkpoint::parse(&bytes, config).map_err(|e| match e {
+    Checkpoint::parse(&bytes, &config).map_err(|e| match e {
         Error::Format(why) => Error::format(format!("checkpoint {}: {why}", path.display())),
         other => other,
     })
@@ -200,6 +236,7 @@ fn read_checkpoint(path: &Path, config: &ModelConfig) -> Result<Checkpoint> {
 
 /// The tensors of a safetensors checkpoint, widened to f32 and checked against a config.
 pub struct Checkpoint {
+    config: ModelConfig,
     tensors: HashMap<String, Tensor>,
 }
 
@@ -246,11 +283,25 @@ impl Checkpoint {
                 unknown.join(", ")
             )));
         }
-        Ok(Checkpoint { tensors })
+        Ok(Checkpoint {
+            config: config.clone(),
+            tensors,
+        })
+    }
+}
+
+impl Source for Checkpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
-    fn get(&self, name: &str) -> &Tensor {
-        &self.tensors[name]
+    fn tensor(&self, name: &str, _shape: &[usize]) -> Result<Tensor> {
+        // `parse` checked every name and shape.
+        Ok(self.tensors[name].clone())
+    }
+
+    fn metadata(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
     }
 }
 
@@ -273,11 +324,8 @@ fn widen(name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>> {
 
 /// Run the calibration tokens through the f16 model and return, per block linear, the dense
 /// input second moment `E[x xᵀ]`.
-fn calibrate(
-    config: &ModelConfig,
-    checkpoint: &Checkpoint,
-    opts: &ConvertOptions,
-) -> Result<HashMap<String, Vec<f64>>> {
+fn calibrate(source: &dyn Source, opts: &ConvertOptions) -> Result<HashMap<String, Vec<f64>>> {
+    let config = source.config();
     if opts.calibration.len() < 2 {
         return Err(Error::invalid("GPTQ needs calibration text (--calib FILE)"));
     }
@@ -310,7 +358,8 @@ fn calibrate(
     // The f16 model, written once to a temporary file and loaded through the capture backend.
     let mut writer = FileWriter::new(config.clone());
     for spec in expected_tensors(config) {
-        let t = checkpoint.get(&spec.name);
+        let shape: Vec<usize> = spec.shape.iter().map(|&d| d as usize).collect();
+        let t = source.tensor(&spec.name, &shape)?;
         writer.add_f16(&spec.name, &t.shape, &to_f16(&spec.name, &t.values)?);
     }
     let tmp = opts.out.with_extension("calibration.tmp");
