@@ -1416,6 +1416,91 @@ fn cuda_parity_tiny_gqa() {
     finish("cuda_parity_tiny_gqa", failures);
 }
 
+/// The architectures of the public looped families: Ouro's (sandwich norms, the loop norm after
+/// every iteration, no head norm) and Huginn's (norms after the residual add, a QKV bias, a scaled
+/// embedding, the loop adapter over a random initial state drawn on the host, the loop norm after
+/// the loop), in f16 and int8 KV.
+#[test]
+fn cuda_parity_looped_families() {
+    if !cuda_or_skip("cuda_parity_looped_families") {
+        return;
+    }
+    let mut failures = Vec::new();
+    for name in ["tiny-sandwich", "tiny-recurrent"] {
+        for mode in [KvMode::Fp16, KvMode::Int8] {
+            score_parity(name, 64, 24, mode, &mut failures);
+            decode_parity(name, 4, 64, 6, mode, &mut failures);
+        }
+        generate_parity(name, 64, 8, 48, KvMode::Fp16, &mut failures);
+    }
+    finish("cuda_parity_looped_families", failures);
+}
+
+/// Ouro and Huginn checkpoints converted from their Hugging Face folders (tests/data/hf, run from
+/// the repository root) against their reference code's logits, on the GPU: the bound of
+/// tests/hf.rs (4e-3) plus the GPU's reordering, which the CPU comparison above bounds.
+#[test]
+fn cuda_hf_checkpoints_match_their_reference() {
+    if !cuda_or_skip("cuda_hf_checkpoints_match_their_reference") {
+        return;
+    }
+    use tinyloop::convert::{convert, ConvertOptions, Input, Method};
+    let mut failures = Vec::new();
+    for (model, steps, state_init) in [
+        ("ouro-tiny", [1usize, 2, 4], tinyloop::StateInit::Model),
+        ("huginn-tiny", [1, 3, 8], tinyloop::StateInit::Zeros),
+    ] {
+        let dir = Path::new("tests/data/hf").join(model);
+        let out = std::env::temp_dir().join(format!("tinyloop-cuda-{model}.tinyloop"));
+        convert(&ConvertOptions {
+            input: Input::HuggingFace(dir.clone()),
+            out: out.clone(),
+            bits: 16,
+            group_size: 0,
+            method: Method::Rtn,
+            calibration: Vec::new(),
+            calibration_loops: None,
+            window: 0,
+            metadata: Default::default(),
+            progress: false,
+        })
+        .unwrap();
+        let options = ModelOptions {
+            device: Some(Device::Cuda(0)),
+            max_seq_len: 64,
+            log: false,
+            state_init,
+            ..ModelOptions::default()
+        };
+        let gpu = Model::open(&out, &options).unwrap();
+        let reference = dir.join("reference");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
+                .unwrap();
+        let prompt: Vec<u32> = json["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let mut session = gpu.new_session().unwrap();
+        for loops in steps {
+            let actual = session.score(&prompt, Some(loops)).unwrap();
+            let bytes = std::fs::read(reference.join(format!("logits_steps{loops}.f32"))).unwrap();
+            let expected: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let err = rel(&actual, &expected);
+            report(&format!("{model} reference L={loops}: {err:.3e}"));
+            if err >= 4e-3 {
+                failures.push(format!("{model} at {loops} steps: relative L2 {err:.2e}"));
+            }
+        }
+    }
+    finish("cuda_hf_checkpoints_match_their_reference", failures);
+}
+
 /// Group size 16: every linear takes the generic (elementwise-dequantize) kernel.
 #[test]
 fn cuda_parity_generic_kernels() {

@@ -466,16 +466,29 @@ fn huginn_config(k: &Keys) -> Result<ModelConfig> {
     ] {
         k.require(key, &value.into(), &format!("supported {meaning}"))?;
     }
-    k.require("bias", &false.into(), "linears without bias")?;
+    k.require("bias", &false.into(), "an adapter without bias")?;
+    k.require("test_time_noise", &0.into(), "no test-time noise")?;
     let dim = k.usize("n_embd", None)?;
     let n_heads = k.usize("n_heads", None)?;
+    if k.usize("num_key_value_heads", Some(n_heads))? != n_heads {
+        return Err(k.bad("num_key_value_heads", "must equal n_heads (the code derives it)"));
+    }
+    let vocab_size = k.usize("padded_vocab_size", None).or_else(|_| k.usize("vocab_size", None))?;
     let d = dim as f64;
+    // RavenConfig derives init_values.std = √(2 / 5D), which config.json may override; the
+    // state is drawn with that std, then scaled by the embedding scale √D (not overridable).
+    let std = match &k.json["init_values"]["std"] {
+        Value::Null => (2.0 / (5.0 * d)).sqrt(),
+        v => v
+            .as_f64()
+            .ok_or_else(|| k.bad("init_values.std", &format!("must be a number, is {v}")))?,
+    };
     Ok(ModelConfig {
         dim,
         n_heads,
         n_kv_heads: n_heads,
         ffn_dim: k.usize("intermediate_size", None)?,
-        vocab_size: k.usize("vocab_size", None)?,
+        vocab_size,
         embed_factor_dim: 0,
         n_pre_blocks: k.usize("n_layers_in_prelude", None)?,
         n_loop_blocks: k.usize("n_layers_in_recurrent_block", None)?,
@@ -493,12 +506,10 @@ fn huginn_config(k: &Keys) -> Result<ModelConfig> {
         architecture: Architecture {
             block_norms: BlockNorms::SandwichResidual,
             qkv_bias: k.bool("qk_bias", true)?,
-            // RavenConfig: embed_scale √D; the state is drawn with std √(2 / 5D), then scaled
-            // by the embed scale.
             embed_scale: d.sqrt(),
             loop_input: LoopInput::Adapter,
             loop_state: LoopState::Random,
-            state_std: (2.0 / (5.0 * d)).sqrt() * d.sqrt(),
+            state_std: std * d.sqrt(),
             loop_norm: LoopNorm::AfterLoop,
             ..Architecture::default()
         },

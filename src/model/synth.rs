@@ -12,7 +12,7 @@ use crate::format::{DType, FileWriter};
 use crate::generate::sampling::Rng;
 
 /// Names accepted by [`preset`].
-pub const PRESETS: [&str; 9] = [
+pub const PRESETS: [&str; 10] = [
     "tiny",
     "small",
     "tl-407m",
@@ -21,6 +21,7 @@ pub const PRESETS: [&str; 9] = [
     "tiny-sandwich",
     "tiny-recurrent",
     "ouro-1.4b",
+    "ouro-1.4b-own",
     "huginn-3.5b",
 ];
 
@@ -39,6 +40,8 @@ pub const PRESETS: [&str; 9] = [
 ///   embedding, a loop adapter over a random initial state, the final norm after the loop),
 ///   2 pre + 2 loop + 2 post blocks, tied head, L 4.
 /// * `ouro-1.4b`: Ouro-1.4B's shape: D 2048, 16 heads, F 5632, vocab 49152, 24 loop blocks, L 4.
+/// * `ouro-1.4b-own`: the same shape in TinyLoop's own architecture (pre-norm blocks), the
+///   baseline that shows what Ouro's block structure costs.
 /// * `huginn-3.5b`: Huginn-0125's shape: D 5280, 55 heads, F 17920, vocab 65536, 2 pre + 4 loop
 ///   + 2 post blocks, L 32.
 pub fn preset(name: &str) -> Result<ModelConfig> {
@@ -126,6 +129,10 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
             max_position: 65536,
             architecture: ouro_architecture(),
             ..base
+        },
+        "ouro-1.4b-own" => ModelConfig {
+            architecture: Architecture::default(),
+            ..preset("ouro-1.4b")?
         },
         "huginn-3.5b" => ModelConfig {
             dim: 5280,
