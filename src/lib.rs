@@ -58,6 +58,7 @@ pub use ctx_tier::{CtxTier, CtxTierStats, Tier};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;
+pub use generate::exit::{Exit, ExitPolicy, ExitRule};
 pub use generate::lens::TrajectoryPoint;
 pub use generate::sampling::SamplingParams;
 pub use generate::speculative::{Speculation, MAX_DRAFT_LEN};
@@ -133,6 +134,10 @@ pub struct GenerateParams {
     /// BETA-MON this call with these thresholds (summary in `GenerateStats::beta_mon`); `None`
     /// monitors it only when `TINYLOOP_BETA_MONITOR=1`.
     pub beta_monitor: Option<BetaMonitor>,
+    /// Adaptive exit: the rule that picks each token's loop iteration, and its policy
+    /// ([`Exit`]; the exit iterations in `GenerateStats::exit_steps`). `None`: every token takes
+    /// the last iteration.
+    pub exit: Option<Exit>,
 }
 
 impl Default for GenerateParams {
@@ -144,6 +149,7 @@ impl Default for GenerateParams {
             stop_tokens: Vec::new(),
             ctx_tier: None,
             beta_monitor: None,
+            exit: None,
         }
     }
 }

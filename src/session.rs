@@ -10,6 +10,7 @@ use crate::ctx_tier::{CtxTier, CtxTierStats};
 use crate::engine::{with_backend, with_handle, Engine, PerDevice, SessionState, Shared};
 use crate::error::{Error, Result};
 use crate::format::DType;
+use crate::generate::exit::{Exit, ExitPolicy};
 use crate::generate::lens::{self, TrajectoryPoint};
 use crate::generate::speculative::{self, Speculation};
 use crate::generate::{self, handles, GenerateRequest, GenerateStats};
@@ -133,6 +134,15 @@ impl Session {
         if let Start::Speculative(spec) = &start {
             spec.validate(req.loops)?;
         }
+        if req.exit.is_some_and(|e| e.policy == ExitPolicy::Skip) {
+            self.shared.kv_layout.check_entry_copies()?;
+        }
+        if req.exit.is_some() && !matches!(start, Start::Prompt) {
+            return Err(Error::invalid(
+                "an exit rule applies to generate and stream calls from a prompt; prefix \
+                 caches and speculation run every token to its last iteration",
+            ));
+        }
         let cancel = self.cancel.clone();
         let result = match start {
             Start::Prompt => with_backend!(self, |b, w, buf| generate::generate(
@@ -207,6 +217,12 @@ impl Session {
         self.start_call(self.generation_tier(params))?;
         self.check_model(&handle.shared, "resume handle")?;
         let req = self.request(handle.prompt(), params, 0)?;
+        if req.exit.is_some() {
+            return Err(Error::invalid(
+                "an exit rule applies to generate and stream calls from a prompt, not to resume \
+                 handles",
+            ));
+        }
         let cancel = self.cancel.clone();
         let result = with_handle!(self, &handle.inner, |b, w, buf, h| handles::resume(
             b, w, buf, h, &req, &cancel, on_token
@@ -216,7 +232,26 @@ impl Session {
 
     /// What the last successful generation call did (tokens, times, speculation).
     pub fn last_generate_stats(&self) -> GenerateStats {
-        self.stats
+        self.stats.clone()
+    }
+
+    /// [`Session::score`] with an exit rule (reference policy): each position's logits are those
+    /// of its exit iteration, returned beside the logits.
+    pub fn score_exit(
+        &mut self,
+        tokens: &[u32],
+        loops: Option<usize>,
+        exit: Exit,
+    ) -> Result<(Vec<f32>, Vec<u32>)> {
+        self.start_call(None)?;
+        let loops = self.check_score(tokens, loops)?;
+        let rule = exit.resolve(self.config())?;
+        let cancel = self.cancel.clone();
+        let result = with_backend!(self, |b, w, buf| generate::score_exit(
+            b, w, buf, tokens, loops, rule, &cancel
+        ));
+        self.account();
+        result
     }
 
     /// Logits `[n, vocab]` (row-major) for every position of `tokens`.
@@ -476,6 +511,7 @@ impl Session {
                 &self.shared.beta_env,
                 self.shared.options.log,
             )?,
+            exit: params.exit.map(|e| e.resolve(self.config())).transpose()?,
         })
     }
 

@@ -181,16 +181,15 @@ fn cuda_decode_graph_entropy_matches_its_logits() {
         let w = Weights::load(&engine, &file, max_seq).unwrap();
         engine.finish_load(&w).unwrap();
         let session = engine.session(&config).unwrap();
-        let mut buf =
-            Buffers::new(
-                &session,
-                &config,
-                16,
-                layout,
-                w.body.loaded().unwrap(),
-                tinyloop::StateInit::Model,
-            )
-            .unwrap();
+        let mut buf = Buffers::new(
+            &session,
+            &config,
+            16,
+            layout,
+            w.body.loaded().unwrap(),
+            tinyloop::StateInit::Model,
+        )
+        .unwrap();
         let never = AtomicBool::new(false);
         let vocab = config.vocab_size;
         let loops = config.default_loops;

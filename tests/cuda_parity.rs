@@ -1154,8 +1154,7 @@ fn decode_parity(
     let layout = KvLayout::new(&config, mode, max_seq).unwrap();
     let cpu = CpuBackend;
     let wc = Weights::load(&cpu, &file, max_seq).unwrap();
-    let mut bc =
-        Buffers::new(
+    let mut bc = Buffers::new(
         &cpu,
         &config,
         16,
@@ -1474,9 +1473,10 @@ fn cuda_hf_checkpoints_match_their_reference() {
         };
         let gpu = Model::open(&out, &options).unwrap();
         let reference = dir.join("reference");
-        let json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
-                .unwrap();
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(reference.join("reference.json")).unwrap(),
+        )
+        .unwrap();
         let prompt: Vec<u32> = json["prompt_ids"]
             .as_array()
             .unwrap()

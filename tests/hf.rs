@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use tinyloop::convert::{convert, ConvertOptions, Input, Method};
-use tinyloop::{GenerateParams, Model, ModelOptions, StateInit};
+use tinyloop::{Exit, ExitPolicy, ExitRule, GenerateParams, Model, ModelOptions, StateInit};
 
 /// Relative L2 distance allowed between TinyLoop's logits and the reference's, over all positions.
 ///
@@ -119,7 +119,10 @@ fn check_logits(model: &Model, reference: &Reference, steps: &[usize]) {
         let actual = session.score(&prompt, Some(loops)).unwrap();
         let expected = reference.f32s(&format!("logits_steps{loops}"));
         let err = relative_l2(&actual, &expected);
-        println!("{} at {loops} steps: relative L2 {err:.2e}", reference.json["model"]);
+        println!(
+            "{} at {loops} steps: relative L2 {err:.2e}",
+            reference.json["model"]
+        );
         assert!(err < TOLERANCE, "{loops} steps: relative L2 {err:.2e}");
     }
 }
@@ -132,7 +135,11 @@ fn check_greedy(model: &Model, reference: &Reference, loops: usize, array: &str)
         loops: Some(loops),
         ..GenerateParams::default()
     };
-    let tokens = model.new_session().unwrap().generate(&prompt, &params).unwrap();
+    let tokens = model
+        .new_session()
+        .unwrap()
+        .generate(&prompt, &params)
+        .unwrap();
     assert_eq!(tokens, expected, "greedy tokens against {array}");
 }
 
@@ -167,4 +174,147 @@ fn huginn_greedy_generation_equals_the_reference_token_for_token() {
     let model = open(&converted("huginn-tiny", 16), StateInit::Zeros);
     let reference = Reference::load("huginn-tiny");
     check_greedy(&model, &reference, 4, "generate_steps4_greedy");
+}
+
+fn gate(threshold: f64, policy: ExitPolicy) -> Exit {
+    Exit {
+        rule: ExitRule::Gate {
+            threshold: Some(threshold),
+        },
+        policy,
+    }
+}
+
+#[test]
+fn ouro_exit_decisions_and_logits_equal_the_reference() {
+    let model = open(&converted("ouro-tiny", 16), StateInit::Model);
+    let reference = Reference::load("ouro-tiny");
+    let prompt = reference.ids("prompt_ids");
+    let steps = reference.i32s("exit_steps_steps4");
+    let mut session = model.new_session().unwrap();
+    for (i, threshold) in [0.3, 0.5, 0.7, 0.9].into_iter().enumerate() {
+        let exit = gate(threshold, ExitPolicy::Reference);
+        let (logits, exits) = session.score_exit(&prompt, Some(4), exit).unwrap();
+        // The reference numbers steps from 0.
+        let expected: Vec<u32> = steps[i * prompt.len()..(i + 1) * prompt.len()]
+            .iter()
+            .map(|&s| s as u32 + 1)
+            .collect();
+        assert_eq!(exits, expected, "exit iterations at threshold {threshold}");
+        if threshold == 0.5 {
+            let err = relative_l2(&logits, &reference.f32s("logits_exit0.5_steps4"));
+            println!("ouro-tiny exit 0.5 logits: relative L2 {err:.2e}");
+            assert!(err < TOLERANCE, "exit logits: relative L2 {err:.2e}");
+        }
+    }
+    // The model's own threshold (its config's early_exit_threshold, 1.0) is the last step here.
+    let own = Exit {
+        rule: ExitRule::Gate { threshold: None },
+        policy: ExitPolicy::Reference,
+    };
+    let (_, exits) = session.score_exit(&prompt, Some(4), own).unwrap();
+    assert!(exits.iter().all(|&e| e == 4), "{exits:?}");
+}
+
+#[test]
+fn ouro_generation_with_exit_equals_the_reference_token_for_token() {
+    let model = open(&converted("ouro-tiny", 16), StateInit::Model);
+    let reference = Reference::load("ouro-tiny");
+    let prompt = reference.ids("generation_prompt_ids");
+    let expected: Vec<u32> = reference
+        .i32s("generate_steps4_exit0.5")
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
+    let expected_exits: Vec<u32> = reference
+        .i32s("generate_steps4_exit0.5_exit_steps")
+        .iter()
+        .map(|&s| s as u32 + 1)
+        .collect();
+    let params = GenerateParams {
+        max_tokens: expected.len(),
+        loops: Some(4),
+        exit: Some(gate(0.5, ExitPolicy::Reference)),
+        ..GenerateParams::default()
+    };
+    let mut session = model.new_session().unwrap();
+    let tokens = session.generate(&prompt, &params).unwrap();
+    assert_eq!(tokens, expected);
+    let stats = session.last_generate_stats();
+    assert_eq!(stats.exit_steps, expected_exits);
+    let histogram = stats.exit_histogram(4);
+    assert_eq!(histogram.iter().sum::<usize>(), expected.len());
+    assert!(stats.mean_exit_steps() < 4.0, "some tokens exit early");
+}
+
+#[test]
+fn skip_policy_stops_generated_tokens_at_their_exit_and_keeps_the_kv_consistent() {
+    let model = open(&converted("ouro-tiny", 16), StateInit::Model);
+    let prompt = Reference::load("ouro-tiny").ids("generation_prompt_ids");
+    let run = |threshold, policy| {
+        let params = GenerateParams {
+            max_tokens: 16,
+            loops: Some(4),
+            exit: Some(gate(threshold, policy)),
+            ..GenerateParams::default()
+        };
+        let mut session = model.new_session().unwrap();
+        let tokens = session.generate(&prompt, &params).unwrap();
+        (tokens, session.last_generate_stats().exit_steps)
+    };
+    // No token exits before the last iteration at threshold 1 here: skip = reference = plain.
+    let plain = model
+        .new_session()
+        .unwrap()
+        .generate(
+            &prompt,
+            &GenerateParams {
+                max_tokens: 16,
+                loops: Some(4),
+                ..GenerateParams::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(run(1.0, ExitPolicy::Skip).0, plain);
+    assert_eq!(run(1.0, ExitPolicy::Reference).0, plain);
+    // At 0.5 tokens exit early; their first token and exit come from the prompt (reference
+    // policy), the later ones from steps that stop iterating.
+    let (skip_tokens, skip_exits) = run(0.5, ExitPolicy::Skip);
+    let (ref_tokens, ref_exits) = run(0.5, ExitPolicy::Reference);
+    assert_eq!(skip_tokens.len(), 16);
+    assert_eq!(
+        (skip_tokens[0], skip_exits[0]),
+        (ref_tokens[0], ref_exits[0])
+    );
+    assert!(skip_exits.iter().any(|&e| e < 4), "{skip_exits:?}");
+}
+
+#[test]
+fn exit_rules_are_refused_where_they_cannot_apply() {
+    let ouro = converted("ouro-tiny", 16);
+    let params = |policy| GenerateParams {
+        max_tokens: 4,
+        exit: Some(gate(0.5, policy)),
+        ..GenerateParams::default()
+    };
+    // A KV mode whose entries depend on other iterations cannot take copies.
+    let options = ModelOptions {
+        kv_mode: Some("delta".parse().unwrap()),
+        ..common::cpu_options()
+    };
+    let delta = Model::open(&ouro, &options).unwrap();
+    let err = delta
+        .new_session()
+        .unwrap()
+        .generate(&[1, 2, 3], &params(ExitPolicy::Skip))
+        .unwrap_err();
+    assert!(err.to_string().contains("exit_policy skip"), "{err}");
+    // A model without an exit gate.
+    let huginn = open(&converted("huginn-tiny", 16), StateInit::Zeros);
+    let err = huginn
+        .new_session()
+        .unwrap()
+        .generate(&[1, 2, 3], &params(ExitPolicy::Reference))
+        .unwrap_err();
+    assert!(err.to_string().contains("no exit gate"), "{err}");
 }

@@ -218,6 +218,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `x[r] += bias` for `rows` rows of width `bias.len()`.
     fn add_bias(&self, x: &mut Self::Float, rows: usize, bias: &Self::Vector);
 
+    /// Copy byte ranges `(from, to, len)` of the cache's storage onto others of the same storage
+    /// (non-overlapping; [`KvLayout::entry_copies`]).
+    fn kv_copy_within(
+        &self,
+        kv: &mut KvCache<Self::KvStorage>,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()>;
+
     /// `x[i] *= factor` for the first `len` values.
     fn scale(&self, x: &mut Self::Float, len: usize, factor: f32);
 

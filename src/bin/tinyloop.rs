@@ -148,6 +148,10 @@ struct CommonArgs {
     /// cuBLAS (default: TINYLOOP_EXPERIMENTAL_FP16_BODY=1).
     #[arg(long)]
     fp16_body: bool,
+    /// How a loop that starts from a random state (Huginn) draws it: model (its own rule, from
+    /// seed 0), zeros or seed:N. Other models accept only model.
+    #[arg(long, value_name = "INIT")]
+    state_init: Option<tinyloop::StateInit>,
 }
 
 #[derive(Args)]
@@ -171,6 +175,50 @@ struct GenerateArgs {
     ctx_tier: CtxTierArgs,
     #[command(flatten)]
     beta_mon: BetaMonArgs,
+    #[command(flatten)]
+    exit: ExitArgs,
+}
+
+/// Adaptive exit: each token takes the output of the loop iteration an exit rule picks
+/// (docs/ABI.md "Adaptive exit").
+#[derive(Args, Clone)]
+struct ExitArgs {
+    /// Exit with the model's exit gate once the cumulative exit probability reaches T (0..1);
+    /// shorthand for --exit gate:T.
+    #[arg(long, value_name = "T", conflicts_with = "exit")]
+    exit_threshold: Option<f64>,
+    /// Exit rule: gate (the model's own threshold) or gate:T.
+    #[arg(long, value_name = "RULE")]
+    exit: Option<String>,
+    /// reference (every iteration runs; the model's own semantics) or skip (generated tokens
+    /// stop at their exit iteration).
+    #[arg(long, value_name = "POLICY")]
+    exit_policy: Option<String>,
+}
+
+impl ExitArgs {
+    fn exit(&self) -> Result<Option<tinyloop::Exit>> {
+        use tinyloop::{Exit, ExitPolicy, ExitRule};
+        let rule = match (self.exit_threshold, &self.exit) {
+            (Some(t), _) => {
+                tinyloop::generate::exit::check_threshold(t)?;
+                Some(ExitRule::Gate { threshold: Some(t) })
+            }
+            (None, Some(rule)) => Some(rule.parse()?),
+            (None, None) => None,
+        };
+        let policy = match &self.exit_policy {
+            Some(p) => p.parse()?,
+            None => ExitPolicy::Reference,
+        };
+        match rule {
+            Some(rule) => Ok(Some(Exit { rule, policy })),
+            None if self.exit_policy.is_none() => Ok(None),
+            None => Err(Error::InvalidArgument(
+                "--exit-policy needs --exit or --exit-threshold".into(),
+            )),
+        }
+    }
 }
 
 /// CTX-TIER: the loop body runs at INT2 once the context is long (docs/ABI.md "CTX-TIER").
@@ -476,7 +524,12 @@ enum ToolCommand {
 #[derive(Args)]
 struct ConvertArgs {
     /// Checkpoint with the tensor names of docs/FORMAT.md (F32, F16 or BF16).
-    #[arg(long, required_unless_present = "hf", requires = "config", conflicts_with = "hf")]
+    #[arg(
+        long,
+        required_unless_present = "hf",
+        requires = "config",
+        conflicts_with = "hf"
+    )]
     safetensors: Option<PathBuf>,
     /// JSON file holding the `config` object of docs/FORMAT.md.
     #[arg(long, requires = "safetensors", conflicts_with = "hf")]
@@ -783,6 +836,7 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
         kv_mode: common.kv,
         log: !common.quiet && !common.json,
         fp16_body: common.fp16_body.then_some(true),
+        state_init: common.state_init.unwrap_or_default(),
         ..ModelOptions::default()
     };
     Model::open(path, &options)
@@ -889,6 +943,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         stop_tokens: Vec::new(),
         ctx_tier: args.ctx_tier.policy()?,
         beta_monitor: args.beta_mon.monitor(),
+        exit: args.exit.exit()?,
     };
     let model = open(path, &args.common)?;
     let prompt = match (&args.prompt, &args.tokens) {
@@ -946,6 +1001,14 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     if !args.common.quiet {
         let stats = session.last_generate_stats();
         eprint!("[tinyloop] generated {} tokens", tokens.len());
+        if params.exit.is_some() {
+            let loops = params.loops.unwrap_or(model.config().default_loops);
+            eprint!(
+                "; exit after {:.2} iterations on average, per iteration {:?}",
+                stats.mean_exit_steps(),
+                stats.exit_histogram(loops)
+            );
+        }
         if speculation.is_some() {
             eprint!(
                 "; accepted {} of {} drafts ({:.1} %), draft/verify agreement {:.1} %",

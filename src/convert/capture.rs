@@ -209,6 +209,14 @@ impl Backend for CaptureBackend {
         CpuBackend.add_bias(x, rows, bias)
     }
 
+    fn kv_copy_within(
+        &self,
+        kv: &mut KvCache<Vec<u8>>,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        CpuBackend.kv_copy_within(kv, ranges)
+    }
+
     fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) {
         CpuBackend.scale(x, len, factor)
     }

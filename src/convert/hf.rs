@@ -46,7 +46,10 @@ pub struct HfCheckpoint {
 impl HfCheckpoint {
     pub fn open(dir: &Path) -> Result<HfCheckpoint> {
         let json = read_json(&dir.join("config.json"))?;
-        let architectures = json["architectures"].as_array().cloned().unwrap_or_default();
+        let architectures = json["architectures"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         let family = match architectures.first().and_then(Value::as_str) {
             Some("OuroForCausalLM") => Family::Ouro,
             Some("RavenForCausalLM") => Family::Huginn,
@@ -77,7 +80,10 @@ impl HfCheckpoint {
         let mut metadata = Map::new();
         metadata.insert(
             "source".into(),
-            Value::String(format!("huggingface {}", architectures[0].as_str().unwrap_or(""))),
+            Value::String(format!(
+                "huggingface {}",
+                architectures[0].as_str().unwrap_or("")
+            )),
         );
         if let Some(text) = read_optional(&dir.join("tokenizer.json"))? {
             metadata.insert("tokenizer".into(), "huggingface".into());
@@ -105,7 +111,11 @@ impl HfCheckpoint {
 
     /// Every checkpoint tensor is used, or ignorable (a buffer, a tied head's copy).
     fn check_tensor_set(&self) -> Result<()> {
-        let mut used: Vec<String> = self.recipes().into_values().flat_map(|r| r.sources()).collect();
+        let mut used: Vec<String> = self
+            .recipes()
+            .into_values()
+            .flat_map(|r| r.sources())
+            .collect();
         used.sort();
         used.dedup();
         for name in &used {
@@ -119,7 +129,8 @@ impl HfCheckpoint {
         let ignorable = |name: &str| match self.family {
             // A persistent RoPE buffer, and the head a tied model may also store.
             Family::Huginn => {
-                name == "freqs_cis" || (name == "lm_head.weight" && self.config.head == HeadKind::Tied)
+                name == "freqs_cis"
+                    || (name == "lm_head.weight" && self.config.head == HeadKind::Tied)
             }
             Family::Ouro => name == "lm_head.weight" && self.config.head == HeadKind::Tied,
         };
@@ -273,7 +284,9 @@ impl Recipe {
             Recipe::ColumnSlice { name, total, from } => {
                 let all = ckpt.read(name, &[shape[0], *total])?;
                 let rows = all.chunks_exact(*total);
-                Ok(rows.flat_map(|r| r[*from..from + cols].iter().copied()).collect())
+                Ok(rows
+                    .flat_map(|r| r[*from..from + cols].iter().copied())
+                    .collect())
             }
             Recipe::HuginnQkv {
                 name,
@@ -368,7 +381,10 @@ impl Keys<'_> {
         match &self.json[key] {
             Value::Null => Ok(()),
             v if v == expected => Ok(()),
-            v => Err(self.bad(key, &format!("{v} is not supported ({meaning}: {expected})"))),
+            v => Err(self.bad(
+                key,
+                &format!("{v} is not supported ({meaning}: {expected})"),
+            )),
         }
     }
 }
@@ -379,7 +395,11 @@ fn ouro_config(k: &Keys) -> Result<ModelConfig> {
     let n_heads = k.usize("num_attention_heads", None)?;
     k.require("hidden_act", &"silu".into(), "supported activation")?;
     k.require("rope_scaling", &Value::Null, "RoPE without scaling")?;
-    k.require("use_sliding_window", &false.into(), "full attention in every layer")?;
+    k.require(
+        "use_sliding_window",
+        &false.into(),
+        "full attention in every layer",
+    )?;
     if let Some(types) = k.json["layer_types"].as_array() {
         if types.iter().any(|t| t != "full_attention") {
             return Err(k.bad("layer_types", "has a layer other than full_attention"));
@@ -471,9 +491,14 @@ fn huginn_config(k: &Keys) -> Result<ModelConfig> {
     let dim = k.usize("n_embd", None)?;
     let n_heads = k.usize("n_heads", None)?;
     if k.usize("num_key_value_heads", Some(n_heads))? != n_heads {
-        return Err(k.bad("num_key_value_heads", "must equal n_heads (the code derives it)"));
+        return Err(k.bad(
+            "num_key_value_heads",
+            "must equal n_heads (the code derives it)",
+        ));
     }
-    let vocab_size = k.usize("padded_vocab_size", None).or_else(|_| k.usize("vocab_size", None))?;
+    let vocab_size = k
+        .usize("padded_vocab_size", None)
+        .or_else(|_| k.usize("vocab_size", None))?;
     let d = dim as f64;
     // RavenConfig derives init_values.std = √(2 / 5D), which config.json may override; the
     // state is drawn with that std, then scaled by the embedding scale √D (not overridable).
@@ -606,7 +631,10 @@ fn open_shards(dir: &Path) -> Result<(Vec<Mmap>, HashMap<String, (usize, TensorI
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<_>>()
                 .ok_or_else(|| {
-                    Error::format(format!("{}: a weight_map value is not a file name", index_path.display()))
+                    Error::format(format!(
+                        "{}: a weight_map value is not a file name",
+                        index_path.display()
+                    ))
                 })?;
             files.sort();
             files.dedup();
@@ -618,7 +646,9 @@ fn open_shards(dir: &Path) -> Result<(Vec<Mmap>, HashMap<String, (usize, TensorI
     let mut index = HashMap::new();
     for file in &files {
         if file.contains('/') || file.contains('\\') || file == ".." {
-            return Err(Error::format(format!("shard name {file:?} is not a file in the folder")));
+            return Err(Error::format(format!(
+                "shard name {file:?} is not a file in the folder"
+            )));
         }
         let path = dir.join(file);
         let bytes = map_file(&path)?;

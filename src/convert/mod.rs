@@ -47,7 +47,10 @@ pub enum Method {
 pub enum Input {
     /// A safetensors checkpoint with the tensor names of docs/FORMAT.md, and a JSON file holding
     /// the `config` object.
-    TinyLoop { safetensors: PathBuf, config: PathBuf },
+    TinyLoop {
+        safetensors: PathBuf,
+        config: PathBuf,
+    },
     /// A Hugging Face checkpoint folder of a supported family ([`hf::SUPPORTED`]).
     HuggingFace(PathBuf),
 }

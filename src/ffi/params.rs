@@ -6,9 +6,10 @@ use std::ffi::c_char;
 use super::bound::tl_prefix_cache;
 use super::ctx_tier::{ctx_tier_arg, tl_ctx_tier_params};
 use super::{c_str, tl_status, Failure, FfiResult, TL_LOOPS_DEFAULT};
+use crate::generate::exit::check_threshold;
 use crate::{
-    BetaMonSummary, BetaMonitor, Device, GenerateParams, GenerateStats, KvMode, ModelOptions,
-    SamplingParams, Speculation, StateInit, Tier, TrajectoryPoint,
+    BetaMonSummary, BetaMonitor, Device, Exit, ExitPolicy, ExitRule, GenerateParams, GenerateStats,
+    KvMode, ModelOptions, SamplingParams, Speculation, StateInit, Tier, TrajectoryPoint,
 };
 
 /// Options for `tl_model_open`. Fill with `tl_model_default_params`, then change fields.
@@ -103,6 +104,18 @@ pub struct tl_generate_params {
     /// With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
     /// [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
     pub beta_mon_agreement_floor: f64,
+    /// Adaptive exit with the model's exit gate at this cumulative exit probability, in [0, 1]
+    /// (docs/ABI.md "Adaptive exit"); shorthand for `exit` "gate:T". Negative (default -1): no
+    /// threshold. Read by `tl_generate`, `tl_generate_stream`, their session forms and the
+    /// score calls with an exit.
+    pub exit_threshold: f64,
+    /// Adaptive exit rule: "gate" (the model's own threshold) or "gate:T". NULL (default): none.
+    /// Setting both this and `exit_threshold` is rejected.
+    pub exit: *const c_char,
+    /// With an exit rule: "reference" (NULL, the default: every iteration runs, the output is
+    /// the exit iteration's, as the model's own code computes) or "skip" (generated tokens stop
+    /// at their exit iteration; KV modes fp16, fp16-h, int8-h, int4-h and int8).
+    pub exit_policy: *const c_char,
 }
 
 /// How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set
@@ -272,6 +285,9 @@ fn default_generate_params() -> tl_generate_params {
         beta_mon_low_entropy_bits: beta.low_entropy_bits,
         beta_mon_high_entropy_bits: beta.high_entropy_bits,
         beta_mon_agreement_floor: beta.agreement_floor,
+        exit_threshold: -1.0,
+        exit: std::ptr::null(),
+        exit_policy: std::ptr::null(),
     }
 }
 
@@ -452,14 +468,18 @@ pub(crate) unsafe fn generate_params(
         default_generate_params()
     } else {
         // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `prefix_cache`, version 2 before `ctx_tier`.
-        let v1 = std::mem::offset_of!(tl_generate_params, prefix_cache);
-        let v2 = std::mem::offset_of!(tl_generate_params, ctx_tier);
+        // header ended before `prefix_cache`, version 2 before `ctx_tier`, version 3 before
+        // `exit_threshold`.
+        let sizes = [
+            std::mem::offset_of!(tl_generate_params, prefix_cache),
+            std::mem::offset_of!(tl_generate_params, ctx_tier),
+            std::mem::offset_of!(tl_generate_params, exit_threshold),
+        ];
         unsafe {
             read_versioned(
                 params,
                 default_generate_params(),
-                &[v1, v2],
+                &sizes,
                 "tl_generate_params",
             )
         }?
@@ -494,8 +514,50 @@ pub(crate) unsafe fn generate_params(
             high_entropy_bits: p.beta_mon_high_entropy_bits,
             agreement_floor: p.beta_mon_agreement_floor,
         }),
+        // SAFETY: the caller's contract covers the two strings.
+        exit: unsafe { exit_arg(p.exit_threshold, p.exit, p.exit_policy) }?,
     };
     Ok((params, p.prefix_cache))
+}
+
+/// The exit rule of `tl_generate_params`: a threshold or a rule string (not both), and a policy.
+///
+/// # Safety
+/// `rule` and `policy` must be NULL or NUL-terminated strings.
+pub(crate) unsafe fn exit_arg(
+    threshold: f64,
+    rule: *const c_char,
+    policy: *const c_char,
+) -> FfiResult<Option<Exit>> {
+    let rule = match (threshold < 0.0, rule.is_null()) {
+        (true, true) => None,
+        (false, true) => {
+            check_threshold(threshold)?;
+            Some(ExitRule::Gate {
+                threshold: Some(threshold),
+            })
+        }
+        // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+        (true, false) => Some(unsafe { c_str(rule, "tl_generate_params.exit") }?.parse()?),
+        (false, false) => {
+            return Err(Failure::invalid(
+                "tl_generate_params: set exit_threshold or exit, not both",
+            ))
+        }
+    };
+    let policy = if policy.is_null() {
+        ExitPolicy::Reference
+    } else {
+        // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+        unsafe { c_str(policy, "tl_generate_params.exit_policy") }?.parse()?
+    };
+    match rule {
+        Some(rule) => Ok(Some(Exit { rule, policy })),
+        None if policy == ExitPolicy::Reference => Ok(None),
+        None => Err(Failure::invalid(
+            "tl_generate_params.exit_policy is set without an exit rule",
+        )),
+    }
 }
 
 /// Convert speculative params (NULL = defaults) to a [`Speculation`]; the engine checks the

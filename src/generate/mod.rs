@@ -3,6 +3,7 @@
 //! ([`speculative`]), the logit lens and trajectory ([`lens`]), prefix caches and resume handles
 //! ([`handles`]).
 
+pub mod exit;
 pub mod handles;
 pub mod lens;
 pub mod sampling;
@@ -32,10 +33,12 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// BETA-MON: measure the entropy of every returned token's distribution.
     pub(crate) monitor: Option<Monitoring>,
+    /// The exit rule, resolved against the model.
+    pub(crate) exit: Option<exit::GateExit>,
 }
 
 /// What the last generation call of a session did.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerateStats {
     /// Tokens returned.
     pub tokens: usize,
@@ -52,6 +55,9 @@ pub struct GenerateStats {
     pub ctx_tier: Option<CtxTierStats>,
     /// Monitored calls: BETA-MON's summary.
     pub beta_mon: Option<BetaMonSummary>,
+    /// Calls with an exit rule: the loop iteration (1-based) whose output gave each returned
+    /// token. Empty otherwise.
+    pub exit_steps: Vec<u32>,
 }
 
 impl GenerateStats {
@@ -63,6 +69,28 @@ impl GenerateStats {
     /// `agreed / drafted`: the draft/verify argmax agreement (0 without drafts).
     pub fn agreement(&self) -> f64 {
         ratio(self.agreed, self.drafted)
+    }
+
+    /// The mean of [`GenerateStats::exit_steps`] (0 without an exit rule).
+    pub fn mean_exit_steps(&self) -> f64 {
+        let total: u64 = self.exit_steps.iter().map(|&s| u64::from(s)).sum();
+        if self.exit_steps.is_empty() {
+            0.0
+        } else {
+            total as f64 / self.exit_steps.len() as f64
+        }
+    }
+
+    /// How many returned tokens exited after each iteration: `histogram[i]` counts exits after
+    /// iteration i + 1, for `loops` iterations.
+    pub fn exit_histogram(&self, loops: usize) -> Vec<usize> {
+        let mut histogram = vec![0; loops];
+        for &s in &self.exit_steps {
+            if let Some(count) = histogram.get_mut(s as usize - 1) {
+                *count += 1;
+            }
+        }
+        histogram
     }
 }
 
@@ -108,6 +136,16 @@ impl<'a> Output<'a> {
     /// Whether chosen tokens must come with their entropy (BETA-MON).
     pub fn measures(&self) -> bool {
         self.entropy.is_some()
+    }
+
+    /// [`Output::push`] of a token that came from loop iteration `exit` (an exit rule).
+    pub fn push_exited(&mut self, next: Chosen, exit: usize) -> Result<bool> {
+        let before = self.tokens.len();
+        let more = self.push(next)?;
+        if self.tokens.len() > before {
+            self.stats.exit_steps.push(exit as u32);
+        }
+        Ok(more)
     }
 
     /// Take the next token; false once generation has ended (then later tokens are dropped).
@@ -304,6 +342,10 @@ pub fn generate<B: Backend>(
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Output::new(req, cancel, on_token);
     let choice = next_choice(&req.sampling, &mut rng);
+    if let Some(rule) = req.exit {
+        exit::generate(backend, w, buf, prompt, rule, &mut out, choice, &mut rng)?;
+        return Ok(out.finish());
+    }
     let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
     let first = first_token(backend, w, buf, last, out.measures())?;
     decode(backend, w, buf, &mut out, first, prompt.len(), &mut rng)?;
@@ -340,6 +382,41 @@ pub fn score<B: Backend>(
         },
     )?;
     Ok(out)
+}
+
+/// [`score`] with an exit rule (reference policy): every position's logits are its exit
+/// iteration's, which is returned for every position too.
+pub fn score_exit<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    loops: usize,
+    rule: exit::GateExit,
+    cancel: &AtomicBool,
+) -> Result<(Vec<f32>, Vec<u32>)> {
+    let vocab = w.config.vocab_size;
+    let mut out: Vec<f32> =
+        crate::alloc::zeroed(tokens.len() * vocab, "the logits of a score call")?;
+    let mut exit_steps = Vec::with_capacity(tokens.len());
+    let greedy = Choice::Greedy;
+    exit::prompt_steps(
+        backend,
+        w,
+        buf,
+        tokens,
+        loops,
+        rule,
+        greedy,
+        true,
+        cancel,
+        |buf, offset, rows, exits| {
+            exit_steps.extend(exits.iter().map(|&e| e as u32));
+            let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
+            for_logit_rows(backend, w, buf, rows, LogitsTo::Places(step_out), |_, _| {})
+        },
+    )?;
+    Ok((out, exit_steps))
 }
 
 /// Logits `[vocab]` at the last position of `tokens`.

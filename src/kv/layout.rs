@@ -388,6 +388,50 @@ impl KvLayout {
         slot * self.slot_bytes + tr.regions[tensor].codes + (t % tr.ring) * tr.row_bytes
     }
 
+    /// The byte ranges `(from, to, len)` that copy the entries of positions `first..first + n`
+    /// from slot `from` to slot `to` (exit policy skip). Only single-tier modes whose entries
+    /// stand alone qualify: a delta entry depends on its chain, an age entry on its tier.
+    pub fn entry_copies(
+        &self,
+        from: usize,
+        to: usize,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<(usize, usize, usize)>> {
+        self.check_entry_copies()?;
+        let tier = &self.tiers[0];
+        let mut out = Vec::new();
+        for t in first..first + n {
+            for tensor in 0..self.tensors() {
+                out.push((
+                    self.codes_at(0, tensor, from, t),
+                    self.codes_at(0, tensor, to, t),
+                    tier.row_bytes,
+                ));
+                if tier.scale_row_bytes > 0 {
+                    out.push((
+                        self.scales_at(0, tensor, from, t),
+                        self.scales_at(0, tensor, to, t),
+                        tier.scale_row_bytes,
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether [`KvLayout::entry_copies`] applies to this mode.
+    pub fn check_entry_copies(&self) -> Result<()> {
+        if self.mode.is_delta() || matches!(self.mode, KvMode::Age(_)) {
+            return Err(Error::invalid(format!(
+                "exit_policy skip copies KV entries between iterations, which KV mode {} cannot \
+                 (use fp16, fp16-h, int8-h, int4-h or int8)",
+                self.mode
+            )));
+        }
+        Ok(())
+    }
+
     /// Byte offset of the scales of (tensor, slot, position) in tier `tier`.
     pub fn scales_at(&self, tier: usize, tensor: usize, slot: usize, t: usize) -> usize {
         let tr = &self.tiers[tier];

@@ -130,9 +130,11 @@ impl Architecture {
                 ))
             }
             LoopState::Random if self.loop_input == LoopInput::None => {
-                return Err("a random loop state needs a loop input (the loop would never see \
+                return Err(
+                    "a random loop state needs a loop input (the loop would never see \
                             the prompt)"
-                    .into())
+                        .into(),
+                )
             }
             _ => {}
         }
@@ -140,7 +142,9 @@ impl Architecture {
             return Err("head_norm may be false only when loop_norm is each_iteration".into());
         }
         if !self.head_norm && n_post_blocks > 0 {
-            return Err("head_norm false with post blocks would feed the head an unnormed state".into());
+            return Err(
+                "head_norm false with post blocks would feed the head an unnormed state".into(),
+            );
         }
         if let Some(t) = self.exit_threshold {
             if !self.exit_gate {

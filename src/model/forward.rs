@@ -122,8 +122,6 @@ pub struct Buffers<B: Backend> {
     initial_state: B::Float,
     /// How the initial loop state is drawn.
     pub state_init: StateInit,
-    /// The exit gate's logit of each row, `max_rows`.
-    pub exit_logits: B::Float,
     step: B::Step,
     /// Slots are added as calls need them (more loop iterations), keeping what they hold.
     pub kv: KvCache<B::KvStorage>,
@@ -169,7 +167,6 @@ impl<B: Backend> Buffers<B> {
             rows_if(arch.block_norms.has_out_norms())?,
             rows_if(adapter)?,
             rows_if(arch.loop_state == LoopState::Random)?,
-            max_rows,
         ];
         let bytes = 4
             * (float_len.iter().sum::<usize>()
@@ -178,7 +175,7 @@ impl<B: Backend> Buffers<B> {
                 + HIDDEN_ROWS * d
                 + optional_len.iter().sum::<usize>())
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
-        let [hidden_input, delta, loop_input, initial_state, exit_logits] =
+        let [hidden_input, delta, loop_input, initial_state] =
             optional_len.map(|len| backend.alloc_float(len));
         Ok(Buffers {
             max_rows,
@@ -198,7 +195,6 @@ impl<B: Backend> Buffers<B> {
             loop_input: loop_input?,
             initial_state: initial_state?,
             state_init,
-            exit_logits: exit_logits?,
             step: backend.alloc_step(max_rows)?,
             kv: KvCache {
                 storage: backend.alloc_kv(kv.bytes(0))?,

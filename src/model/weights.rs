@@ -4,8 +4,8 @@ use crate::backend::{rope_table, Backend, HostLinear};
 use crate::error::{Error, Result};
 use crate::format::{DType, ModelFile};
 use crate::kv::Application;
-use crate::model::body::{BlockLinears, BodyStore, LoopBody};
 use crate::model::architecture::LoopInput;
+use crate::model::body::{BlockLinears, BodyStore, LoopBody};
 use crate::model::config::{HeadKind, ModelConfig};
 use crate::model::layout::{block_name, blocks, Stage, ADAPTER_LINEARS, BLOCK_LINEARS};
 use crate::model::quant::{f16_from_bytes, f16_values};
@@ -39,10 +39,10 @@ pub struct Adapter<B: Backend> {
     pub input: B::Linear,
 }
 
-/// The exit gate: λ = σ(weight · state + bias), one value per row.
-pub struct ExitGate<B: Backend> {
-    /// `[1, D]`, f16.
-    pub weight: B::Linear,
+/// The exit gate: λ = σ(weight · state + bias), one value per row, evaluated on the host from
+/// the state (it decides which iteration's output a position takes).
+pub struct ExitGate {
+    pub weight: Vec<f32>,
     pub bias: f32,
 }
 
@@ -67,7 +67,7 @@ pub struct Weights<B: Backend> {
     pub body: BodyStore<B>,
     pub adapter: Option<Adapter<B>>,
     pub final_norm: Norm<B>,
-    pub exit_gate: Option<ExitGate<B>>,
+    pub exit_gate: Option<ExitGate>,
     pub head: Head<B>,
     /// RoPE (cos, sin) table for every position a session may use.
     pub rope: B::Float,
@@ -154,8 +154,11 @@ impl<B: Backend> Weights<B> {
             let (_, bias) = file
                 .tensor("exit_gate.bias")
                 .ok_or_else(|| Error::format("missing tensor exit_gate.bias"))?;
+            let (_, weight) = file
+                .tensor("exit_gate")
+                .ok_or_else(|| Error::format("missing tensor exit_gate"))?;
             Some(ExitGate {
-                weight: linear("exit_gate")?,
+                weight: f16_from_bytes(weight).iter().map(|v| v.to_f32()).collect(),
                 bias: f16_from_bytes(bias)[0].to_f32(),
             })
         } else {
@@ -169,8 +172,7 @@ impl<B: Backend> Weights<B> {
             Head::Tied => None,
         };
         let adapter_linears = adapter.iter().flat_map(|a| [&a.state, &a.input]);
-        let gate = exit_gate.as_ref().map(|g| &g.weight);
-        let linears = [Some(&embed), embed_proj.as_ref(), head_linear, gate]
+        let linears = [Some(&embed), embed_proj.as_ref(), head_linear]
             .into_iter()
             .flatten()
             .chain(adapter_linears)
@@ -229,7 +231,11 @@ impl<B: Backend> BlockVectors<B> {
         let out_norms = [&self.attn_out_norm, &self.mlp_out_norm];
         norm(&self.attn_norm)
             + norm(&self.mlp_norm)
-            + out_norms.iter().filter_map(|n| n.as_ref()).map(norm).sum::<usize>()
+            + out_norms
+                .iter()
+                .filter_map(|n| n.as_ref())
+                .map(norm)
+                .sum::<usize>()
             + self.qkv_bias.as_ref().map_or(0, |_| config.qkv_dim())
     }
 }

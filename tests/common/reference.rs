@@ -210,7 +210,11 @@ impl Reference {
             .iter()
             .map(|&t| {
                 let e = self.t("embed")[t as usize * width..(t as usize + 1) * width].to_vec();
-                let e = if r > 0 { self.matvec("embed_proj", &e) } else { e };
+                let e = if r > 0 {
+                    self.matvec("embed_proj", &e)
+                } else {
+                    e
+                };
                 // The product is rounded to f32, as the runtime's stream holds it.
                 e.iter().map(|v| (v * scale) as f32 as f64).collect()
             })
@@ -222,7 +226,9 @@ impl Reference {
         let adapter = self.arch("loop_input", "none".into()) == "adapter";
         let inputs: Vec<Vec<f64>> = if adapter {
             let r16s = |x: &Vec<f64>| x.iter().map(|&v| r16(v)).collect::<Vec<_>>();
-            xs.iter().map(|e| self.matvec("adapter.input", &r16s(e))).collect()
+            xs.iter()
+                .map(|e| self.matvec("adapter.input", &r16s(e)))
+                .collect()
         } else {
             Vec::new()
         };
@@ -242,11 +248,13 @@ impl Reference {
                 self.block(&format!("loop.{j}"), &mut xs);
             }
             if loop_norm == "each_iteration" {
-                xs.iter_mut().for_each(|x| *x = self.norm_exact("final_norm", x));
+                xs.iter_mut()
+                    .for_each(|x| *x = self.norm_exact("final_norm", x));
             }
         }
         if loop_norm == "after_loop" {
-            xs.iter_mut().for_each(|x| *x = self.norm_exact("final_norm", x));
+            xs.iter_mut()
+                .for_each(|x| *x = self.norm_exact("final_norm", x));
         }
         for i in 0..self.c("n_post_blocks") {
             self.block(&format!("post.{i}"), &mut xs);

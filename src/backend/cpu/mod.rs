@@ -8,11 +8,11 @@ mod linear;
 use half::f16;
 
 use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, StepInput};
-use crate::model::architecture::BlockNorms;
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::generate::sampling;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
+use crate::model::architecture::BlockNorms;
 use crate::model::config::NormKind;
 use crate::model::forward::LOGIT_ROWS;
 use crate::telemetry::beta_monitor::entropy_bits;
@@ -239,6 +239,17 @@ impl Backend for CpuBackend {
         for row in x.chunks_exact_mut(bias.len()).take(rows) {
             row.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
         }
+    }
+
+    fn kv_copy_within(
+        &self,
+        kv: &mut KvCache<Vec<u8>>,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        for &(from, to, len) in ranges {
+            kv.storage.copy_within(from..from + len, to);
+        }
+        Ok(())
     }
 
     fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) {

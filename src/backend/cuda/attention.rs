@@ -99,6 +99,25 @@ impl CudaBackend {
         self.copy_device(src, dst, bytes, "copying the KV cache")
     }
 
+    /// [`crate::backend::Backend::kv_copy_within`].
+    pub(super) fn copy_kv_ranges(
+        &self,
+        kv: &CudaKv,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        for &(from, to, len) in ranges {
+            assert!(from.max(to) + len <= kv.bytes(), "copy past the KV cache");
+            let base = kv.ptr();
+            self.copy_device(
+                base + from as u64,
+                base + to as u64,
+                len,
+                "copying KV entries",
+            )?;
+        }
+        Ok(())
+    }
+
     /// [`crate::backend::Backend::kv_store`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn store_kv(

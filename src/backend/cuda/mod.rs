@@ -706,6 +706,14 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn kv_copy_within(
+        &self,
+        kv: &mut KvCache<CudaKv>,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        self.copy_kv_ranges(&kv.storage, ranges)
+    }
+
     fn scale(&self, x: &mut DevBuf, len: usize, factor: f32) {
         self.run(
             "scale_f32",
