@@ -106,6 +106,10 @@ typedef struct tl_model_params {
     // docs/FORMAT.md "The FP16 body cache"), 0 does not, -1 (default) follows
     // TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU. Other values are rejected.
     int32_t fp16_body;
+    // How a model whose loop starts from a random state (Huginn) draws it: "model" (its own
+    // rule, from seed 0), "zeros" or "seed:N". NULL (default) is "model"; other models accept
+    // only "model". Only read during `tl_model_open`.
+    const char *state_init;
 } tl_model_params;
 
 // A CTX-TIER policy (the loop body runs at INT2 once the context is long). Fill with
@@ -177,6 +181,18 @@ typedef struct tl_generate_params {
     // With `beta_monitor`, speculative calls: a draft/verify agreement below this share, in
     // [0, 1], sets `beta_mon_agreement_below_floor`. Default 0.95.
     double beta_mon_agreement_floor;
+    // Adaptive exit with the model's exit gate at this cumulative exit probability, in [0, 1]
+    // (docs/ABI.md "Adaptive exit"); shorthand for `exit` "gate:T". Negative (default -1): no
+    // threshold. Read by `tl_generate`, `tl_generate_stream`, their session forms and the
+    // score calls with an exit.
+    double exit_threshold;
+    // Adaptive exit rule: "gate" (the model's own threshold) or "gate:T". NULL (default): none.
+    // Setting both this and `exit_threshold` is rejected.
+    const char *exit;
+    // With an exit rule: "reference" (NULL, the default: every iteration runs, the output is
+    // the exit iteration's, as the model's own code computes) or "skip" (generated tokens stop
+    // at their exit iteration; KV modes fp16, fp16-h, int8-h, int4-h and int8).
+    const char *exit_policy;
 } tl_generate_params;
 
 // How `tl_generate_speculative` drafts. Fill with `tl_speculative_default_params`, then set

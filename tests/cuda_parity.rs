@@ -1501,6 +1501,108 @@ fn cuda_hf_checkpoints_match_their_reference() {
     finish("cuda_hf_checkpoints_match_their_reference", failures);
 }
 
+/// Ouro's exit gate on the GPU: the exit iteration of every position at thresholds 0.3 … 0.9 and
+/// greedy generation at 0.5 equal the reference code's (tests/data/hf/ouro-tiny); the skip
+/// policy (KV entries copied on the device) generates what it generates on the CPU.
+#[test]
+fn cuda_exit_rule_matches_the_reference() {
+    if !cuda_or_skip("cuda_exit_rule_matches_the_reference") {
+        return;
+    }
+    use tinyloop::convert::{convert, ConvertOptions, Input, Method};
+    use tinyloop::{Exit, ExitPolicy, ExitRule};
+    let dir = Path::new("tests/data/hf/ouro-tiny");
+    let out = std::env::temp_dir().join("tinyloop-cuda-exit-ouro.tinyloop");
+    convert(&ConvertOptions {
+        input: Input::HuggingFace(dir.to_path_buf()),
+        out: out.clone(),
+        bits: 16,
+        group_size: 0,
+        method: Method::Rtn,
+        calibration: Vec::new(),
+        calibration_loops: None,
+        window: 0,
+        metadata: Default::default(),
+        progress: false,
+    })
+    .unwrap();
+    let reference = dir.join("reference");
+    let ints = |file: &str| -> Vec<u32> {
+        std::fs::read(reference.join(file))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let gate = |t: f64, policy| Exit {
+        rule: ExitRule::Gate { threshold: Some(t) },
+        policy,
+    };
+    let gpu = open(&out, Device::Cuda(0), 64);
+    let cpu = open(&out, Device::Cpu, 64);
+    let mut failures = Vec::new();
+    let prompt = ids("prompt_ids");
+    let steps = ints("exit_steps_steps4.i32");
+    let mut session = gpu.new_session().unwrap();
+    for (i, t) in [0.3, 0.5, 0.7, 0.9].into_iter().enumerate() {
+        let (_, exits) = session
+            .score_exit(&prompt, Some(4), gate(t, ExitPolicy::Reference))
+            .unwrap();
+        let expected: Vec<u32> = steps[i * prompt.len()..(i + 1) * prompt.len()]
+            .iter()
+            .map(|&s| s + 1)
+            .collect();
+        if exits != expected {
+            failures.push(format!(
+                "threshold {t}: exits {exits:?}, reference {expected:?}"
+            ));
+        }
+    }
+    let short = ids("generation_prompt_ids");
+    let generate = |model: &Model, policy| {
+        let params = GenerateParams {
+            max_tokens: 16,
+            loops: Some(4),
+            exit: Some(gate(0.5, policy)),
+            ..GenerateParams::default()
+        };
+        let mut s = model.new_session().unwrap();
+        let tokens = s.generate(&short, &params).unwrap();
+        (tokens, s.last_generate_stats().exit_steps)
+    };
+    let (tokens, exits) = generate(&gpu, ExitPolicy::Reference);
+    let expected_exits: Vec<u32> = ints("generate_steps4_exit0.5_exit_steps.i32")
+        .iter()
+        .map(|&s| s + 1)
+        .collect();
+    if tokens != ints("generate_steps4_exit0.5.i32") || exits != expected_exits {
+        failures.push(format!("generation at 0.5: {tokens:?} exits {exits:?}"));
+    }
+    let (gpu_skip, cpu_skip) = (
+        generate(&gpu, ExitPolicy::Skip),
+        generate(&cpu, ExitPolicy::Skip),
+    );
+    report(&format!(
+        "exit skip: gpu exits {:?}, cpu exits {:?}",
+        gpu_skip.1, cpu_skip.1
+    ));
+    if gpu_skip != cpu_skip {
+        failures.push(format!("skip: gpu {gpu_skip:?}, cpu {cpu_skip:?}"));
+    }
+    finish("cuda_exit_rule_matches_the_reference", failures);
+}
+
 /// Group size 16: every linear takes the generic (elementwise-dequantize) kernel.
 #[test]
 fn cuda_parity_generic_kernels() {

@@ -938,6 +938,137 @@ fn model_params_fp16_body_is_checked_and_versioned() {
     }
 }
 
+/// `state_init`: a model with a random loop state takes every choice; one that carries its state
+/// only "model"; anything unparsable is refused, naming the field; an older header leaves it out.
+#[test]
+fn model_params_state_init_is_checked() {
+    let mut params = model_params();
+    assert!(params.state_init.is_null(), "default: the model's own rule");
+    let device = CString::new("cpu").unwrap();
+    params.device = device.as_ptr();
+    params.log = false;
+    let garbage = CString::new("seed:x").unwrap();
+    for (preset_name, value, expect) in [
+        ("tiny-recurrent", "zeros", tl_status::TL_OK),
+        ("tiny-recurrent", "seed:42", tl_status::TL_OK),
+        ("tiny-recurrent", "model", tl_status::TL_OK),
+        (
+            "tiny-recurrent",
+            "seed:x",
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+        ),
+        ("tiny", "model", tl_status::TL_OK),
+        ("tiny", "zeros", tl_status::TL_ERR_INVALID_ARGUMENT),
+    ] {
+        let cpath = CString::new(model_file(preset_name).to_str().unwrap()).unwrap();
+        let value_c = CString::new(value).unwrap();
+        params.state_init = value_c.as_ptr();
+        let mut model = ptr::null_mut();
+        // SAFETY: valid strings, params and out-pointer.
+        let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
+        assert_eq!(status, expect, "{preset_name} {value}: {}", last_error());
+        if status == tl_status::TL_OK {
+            tl_model_free(model);
+        } else {
+            assert!(last_error().contains("state_init"), "{}", last_error());
+        }
+    }
+    // A caller of the previous header: the field is not read.
+    params.state_init = garbage.as_ptr();
+    params.struct_size = std::mem::offset_of!(tl_model_params, state_init);
+    let cpath = CString::new(model_file("tiny").to_str().unwrap()).unwrap();
+    let mut model = ptr::null_mut();
+    // SAFETY: as above.
+    let status = unsafe { tl_model_open(cpath.as_ptr(), &params, &mut model) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    tl_model_free(model);
+}
+
+/// The exit fields of `tl_generate_params`: each bad value is refused naming its field or the
+/// reason; a threshold or a rule works on a model with an exit gate.
+#[test]
+fn generate_params_exit_is_checked() {
+    let gated = open(&model_file("tiny-sandwich"), 128);
+    let plain = open(&model_file("tiny"), 128);
+    let c = |s: &str| CString::new(s).unwrap();
+    let (gate, own, bad_rule, skip, bad_policy) =
+        (c("gate:0.5"), c("gate"), c("kl:1e-3"), c("skip"), c("all"));
+    let with = |threshold: f64, rule: &CString, policy: Option<&CString>| {
+        let mut p = gen_params(4);
+        p.exit_threshold = threshold;
+        p.exit = if rule.is_empty() {
+            ptr::null()
+        } else {
+            rule.as_ptr()
+        };
+        p.exit_policy = policy.map_or(ptr::null(), |s| s.as_ptr());
+        p
+    };
+    let none = c("");
+    for (model, p, expect, says) in [
+        (&gated, with(0.5, &none, None), tl_status::TL_OK, ""),
+        (&gated, with(-1.0, &gate, Some(&skip)), tl_status::TL_OK, ""),
+        (
+            &gated,
+            with(1.5, &none, None),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "exit_threshold",
+        ),
+        (
+            &gated,
+            with(0.5, &gate, None),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "not both",
+        ),
+        (
+            &gated,
+            with(-1.0, &bad_rule, None),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "exit rule",
+        ),
+        (
+            &gated,
+            with(0.5, &none, Some(&bad_policy)),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "exit_policy",
+        ),
+        (
+            &gated,
+            with(-1.0, &none, Some(&skip)),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "without an exit rule",
+        ),
+        // tiny-sandwich names no default threshold.
+        (
+            &gated,
+            with(-1.0, &own, None),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "no default threshold",
+        ),
+        (
+            &plain,
+            with(0.5, &none, None),
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "no exit gate",
+        ),
+    ] {
+        let (status, tokens) = generate(model, &PROMPT, &p);
+        assert_eq!(status, expect, "{}", last_error());
+        if status == tl_status::TL_OK {
+            assert_eq!(tokens.len(), 4);
+            let s = stats(model);
+            assert_eq!(s.exit_tokens, 4);
+            assert!(
+                (1.0..=4.0).contains(&s.exit_mean_steps),
+                "{}",
+                s.exit_mean_steps
+            );
+        } else {
+            assert!(last_error().contains(says), "{says}: {}", last_error());
+        }
+    }
+}
+
 /// `tl_generate_params` of the header's first version (without `prefix_cache`) is still
 /// accepted; a size that is no version's is refused.
 #[test]

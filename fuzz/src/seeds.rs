@@ -8,7 +8,9 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::{preset, random_model};
-use tinyloop::{HeadKind, ModelConfig, NormKind};
+use tinyloop::{
+    Architecture, BlockNorms, HeadKind, LoopInput, LoopNorm, LoopState, ModelConfig, NormKind,
+};
 
 use crate::rng::Rng;
 
@@ -31,6 +33,7 @@ pub fn small_config() -> ModelConfig {
         rope_theta: 10000.0,
         max_position: 64,
         head: HeadKind::Tied,
+        architecture: Architecture::default(),
     }
 }
 
@@ -52,13 +55,14 @@ fn plain_config() -> ModelConfig {
         rope_theta: 500.0,
         max_position: 32,
         head: HeadKind::Untied,
+        architecture: Architecture::default(),
     }
 }
 
 /// `.tinyloop` seeds.
 pub fn tinyloop_files() -> Vec<Vec<u8>> {
     let mut out = Vec::new();
-    for name in ["tiny", "tiny-gqa", "tiny-tied"] {
+    for name in ["tiny", "tiny-gqa", "tiny-tied", "tiny-sandwich", "tiny-recurrent"] {
         let config = preset(name).expect("preset exists");
         for bits in [4, 2] {
             out.push(model(&config, bits, 32));
@@ -103,11 +107,37 @@ pub fn random_tinyloop(rng: &mut Rng) -> Option<Vec<u8>> {
         rope_theta: *rng.pick(&[10000.0, 1e6, 1.0, 1.5]),
         max_position: *rng.pick(&[16, 17, 64]),
         head: *rng.pick(&[HeadKind::Tied, HeadKind::Untied]),
+        architecture: random_architecture(rng),
     };
     let bits = *rng.pick(&[16, 4, 2]);
     let group = *rng.pick(&[0, 2, 4, 8, 16, 32]);
     let seed = rng.next_u64();
     Some(random_model(&config, seed, bits, group).ok()?.to_bytes())
+}
+
+/// Any combination of the architecture's choices; `random_model` refuses the invalid ones (the
+/// caller then draws again), so the models hold every valid combination.
+fn random_architecture(rng: &mut Rng) -> Architecture {
+    let loop_state = *rng.pick(&[LoopState::Carry, LoopState::Random]);
+    Architecture {
+        block_norms: *rng.pick(&[
+            BlockNorms::Pre,
+            BlockNorms::Sandwich,
+            BlockNorms::SandwichResidual,
+        ]),
+        qkv_bias: rng.below(2) == 1,
+        embed_scale: *rng.pick(&[1.0, 8.0, 0.5, 0.0]),
+        loop_input: *rng.pick(&[LoopInput::None, LoopInput::Adapter]),
+        loop_state,
+        state_std: match loop_state {
+            LoopState::Carry => *rng.pick(&[0.0, 0.0, 1.0]),
+            LoopState::Random => *rng.pick(&[0.5, 2.0, 0.0]),
+        },
+        loop_norm: *rng.pick(&[LoopNorm::None, LoopNorm::EachIteration, LoopNorm::AfterLoop]),
+        head_norm: rng.below(4) != 0,
+        exit_gate: rng.below(2) == 1,
+        exit_threshold: *rng.pick(&[None, Some(0.5), Some(1.0), Some(1.5)]),
+    }
 }
 
 /// Safetensors seeds for [`small_config`], one per stored dtype.

@@ -109,7 +109,7 @@ pub fn convert(opts: &ConvertOptions) -> Result<()> {
 fn write_model(source: &dyn Source, opts: &ConvertOptions) -> Result<()> {
     let config = source.config();
     let dtype = DType::from_bits(opts.bits)?;
-    let specs = expected_tensors(&config);
+    let specs = expected_tensors(config);
     if dtype.is_quantized() {
         for spec in specs.iter().filter(|s| s.is_quantizable()) {
             check_group_fits(&spec.name, spec.shape[1] as usize, opts.group_size)?;

@@ -214,6 +214,10 @@ pub struct tl_generate_stats {
     pub beta_mon_agreement_floor: f64,
     /// Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
     pub beta_mon_agreement_below_floor: bool,
+    /// Calls with an exit rule: the tokens returned with an exit iteration (all of them), and the
+    /// mean of those iterations (1-based; 0 without an exit rule).
+    pub exit_tokens: usize,
+    pub exit_mean_steps: f64,
 }
 
 /// Static architecture of a model, filled by `tl_model_config`.
@@ -625,6 +629,8 @@ impl tl_generate_stats {
                 Some(Tier::Short) => 1,
                 Some(Tier::Long) => 2,
             },
+            exit_tokens: s.exit_steps.len(),
+            exit_mean_steps: s.mean_exit_steps(),
             ..Self::beta_mon(s.beta_mon.as_ref())
         }
     }
@@ -652,12 +658,13 @@ impl tl_generate_stats {
         }
     }
 
-    /// Sizes of earlier versions of this struct: version 1 ended before the CTX-TIER fields.
-    pub(crate) fn earlier_sizes() -> [usize; 1] {
-        [std::mem::offset_of!(
-            tl_generate_stats,
-            ctx_tier_observations
-        )]
+    /// Sizes of earlier versions of this struct: version 1 ended before the CTX-TIER fields,
+    /// version 2 before the exit fields.
+    pub(crate) fn earlier_sizes() -> [usize; 2] {
+        [
+            std::mem::offset_of!(tl_generate_stats, ctx_tier_observations),
+            std::mem::offset_of!(tl_generate_stats, exit_tokens),
+        ]
     }
 }
 
