@@ -163,11 +163,12 @@ struct GenerateArgs {
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
     /// Render the prompt as one user message with the model's chat template (and the start of
-    /// the assistant's reply); only the reply is printed.
-    #[arg(long, requires = "prompt")]
+    /// the assistant's reply); only the reply is printed. With --prompt.
+    #[arg(long)]
     chat: bool,
-    /// Stop when the generated text contains STR (not printed); repeat for several.
-    #[arg(long = "stop", value_name = "STR", requires = "prompt")]
+    /// Stop when the generated text contains STR (not printed); repeat for several. With
+    /// --prompt.
+    #[arg(long = "stop", value_name = "STR")]
     stop: Vec<String>,
     /// Tokens to generate after the prompt.
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = whole::<usize>(1, MAX))]
@@ -915,6 +916,11 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
 fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     // Everything is checked before anything is printed: the flags here, the prompt and the
     // request by the library before the first token, with which the prompt is echoed.
+    if args.prompt.is_none() && (args.chat || !args.stop.is_empty()) {
+        return Err(Error::InvalidArgument(
+            "--chat and --stop work on text: pass the prompt as --prompt".into(),
+        ));
+    }
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         loops: args.common.loops,
