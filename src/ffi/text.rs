@@ -137,6 +137,7 @@ unsafe fn write_text(text: &str, out: *mut c_char, cap: usize, len: *mut usize) 
 /// ...). Special tokens written in the text (e.g. "<|im_start|>") are recognized either way.
 /// The length is known only once the text is tokenized, so a short `cap` (a size query: `out`
 /// NULL, `cap` 0) costs one tokenization: `TL_ERR_BUFFER_TOO_SMALL` with the count in `*len`.
+/// No tokens (an empty text without special tokens) is TL_OK with `*len` 0, whatever `out`.
 ///
 /// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, text not valid UTF-8, a model without a
 /// tokenizer), `TL_ERR_CLOSED`.
@@ -160,6 +161,13 @@ pub unsafe extern "C" fn tl_tokenize(
         // SAFETY: the caller's contract.
         let text = unsafe { c_str(text, "text") }?;
         let tokens = c_tokens(m.tokenize(text, add_special_tokens)?);
+        // No tokens (an empty text) need no buffer: `out` may then be NULL.
+        if tokens.is_empty() {
+            non_null(len, "len")?;
+            // SAFETY: non-NULL and writable by the caller's contract.
+            unsafe { write_out(len, 0) };
+            return Ok(());
+        }
         // SAFETY: as above.
         unsafe {
             check_buffer(out, cap, len, tokens.len())?;
