@@ -876,6 +876,7 @@ enum tl_status tl_text_default_params(struct tl_text_params *params);
 // ...). Special tokens written in the text (e.g. "<|im_start|>") are recognized either way.
 // The length is known only once the text is tokenized, so a short `cap` (a size query: `out`
 // NULL, `cap` 0) costs one tokenization: `TL_ERR_BUFFER_TOO_SMALL` with the count in `*len`.
+// No tokens (an empty text without special tokens) is TL_OK with `*len` 0, whatever `out`.
 //
 // Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, text not valid UTF-8, a model without a
 // tokenizer), `TL_ERR_CLOSED`.
