@@ -318,7 +318,43 @@ typedef struct tl_generate_stats {
     double beta_mon_agreement_floor;
     // Speculative calls: `agreement` fell below `beta_mon_agreement_floor`.
     bool beta_mon_agreement_below_floor;
+    // Calls with an exit rule: the tokens returned with an exit iteration (all of them), and the
+    // mean of those iterations (1-based; 0 without an exit rule).
+    size_t exit_tokens;
+    double exit_mean_steps;
 } tl_generate_stats;
+
+// How a text call turns its prompt into tokens and the generated tokens into text. Fill with
+// `tl_text_default_params`, then change fields.
+typedef struct tl_text_params {
+    // `sizeof(tl_text_params)`; set by `tl_text_default_params`. Smaller values are rejected;
+    // larger values are accepted and the extra bytes ignored.
+    size_t struct_size;
+    // Stop strings (NUL-terminated UTF-8, none empty): generation ends once the generated text
+    // contains one, also when it spans several tokens, and the text returned ends before it.
+    // May be NULL when `n_stop` is 0. Only read during the call.
+    const char *const *stop;
+    // Number of entries in `stop`. Default 0.
+    size_t n_stop;
+    // Add the tokenizer's special tokens (its BOS, ...) to the prompt. Default true; a prompt
+    // made by `tl_apply_chat_template` has them already (pass false).
+    bool add_special_tokens;
+    // Leave special tokens out of the generated text. Default true.
+    bool skip_special_tokens;
+} tl_text_params;
+
+// One message of a conversation for `tl_apply_chat_template`: NUL-terminated UTF-8 strings.
+typedef struct tl_chat_message {
+    // "system", "user", "assistant", or another role the model's template knows.
+    const char *role;
+    const char *content;
+} tl_chat_message;
+
+// Called for each piece of generated text with the `user_data` given to the call: `piece`
+// points to `len` bytes of UTF-8 (whole characters; the text may contain NUL bytes) followed
+// by a NUL, valid only during the callback. Return true to continue, false to stop generation
+// (the call then returns TL_OK).
+typedef bool (*tl_text_callback)(const char *piece, size_t len, void *user_data);
 
 #ifdef __cplusplus
 extern "C" {
@@ -844,6 +880,170 @@ enum tl_status tl_session_last_generate_stats(const struct tl_session *session, 
 // # Safety
 // `params` must be NULL or valid for a write of `tl_ctx_tier_params`.
 enum tl_status tl_ctx_tier_default_params(struct tl_ctx_tier_params *params);
+
+// Fill `*params` with the defaults of this library version (including `struct_size`): no stop
+// strings, special tokens added to the prompt and skipped in the output.
+//
+// Ownership: the caller owns `*params` and the stop strings it may point to later.
+// Threads: any thread.
+//
+// # Safety
+// `params` must be NULL or valid for a write of `tl_text_params`.
+enum tl_status tl_text_default_params(struct tl_text_params *params);
+
+// The token ids of the UTF-8 string `text` under the model's tokenizer, into `out[0..*len]`;
+// with `add_special_tokens`, the special tokens the tokenizer adds around a sequence (its BOS,
+// ...). Special tokens written in the text (e.g. "<|im_start|>") are recognized either way.
+// The length is known only once the text is tokenized, so a short `cap` (a size query: `out`
+// NULL, `cap` 0) costs one tokenization: `TL_ERR_BUFFER_TOO_SMALL` with the count in `*len`.
+// No tokens (an empty text without special tokens) is TL_OK with `*len` 0, whatever `out`.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, text not valid UTF-8, a model without a
+// tokenizer), `TL_ERR_CLOSED`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread, concurrently with other calls
+// on the model (it never waits for a running call).
+//
+// # Safety
+// `text` NULL or NUL-terminated; `out` valid for `cap` writes; `len` for one write.
+enum tl_status tl_tokenize(const struct tl_model *model, const char *text, bool add_special_tokens, int32_t *out, size_t cap, size_t *len);
+
+// The text of `tokens[0..n_tokens]` (each in 0..vocab_size; none is an empty text) as
+// NUL-terminated UTF-8 in `out`; `*len` is its byte length plus one (the NUL). With
+// `skip_special_tokens`, special tokens are left out. Bytes that do not form UTF-8 (a
+// character cut off) become U+FFFD. A short `cap` is `TL_ERR_BUFFER_TOO_SMALL` with the
+// required size in `*len`.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, a token outside the vocabulary, a model without
+// a tokenizer), `TL_ERR_CLOSED`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread, concurrently with other calls.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `out` for `cap` bytes; `len` for one write.
+enum tl_status tl_detokenize(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, bool skip_special_tokens, char *out, size_t cap, size_t *len);
+
+// The id of the special token written `text` (e.g. "<|im_end|>") into `*out_token`.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, not UTF-8, not a special token of the model's
+// tokenizer: the message lists some that are; a byte-level model has none), `TL_ERR_CLOSED`.
+//
+// Ownership: none retained. Threads: any thread, concurrently with other calls.
+//
+// # Safety
+// `text` NULL or NUL-terminated; `out_token` NULL or valid for a write.
+enum tl_status tl_special_token(const struct tl_model *model, const char *text, int32_t *out_token);
+
+// `messages[0..n_messages]` rendered by the model's chat template (tokenizer_config's
+// `chat_template`, Jinja) as NUL-terminated UTF-8 in `out`; with `add_generation_prompt`,
+// followed by what starts the assistant's reply. `*len` and short buffers as in
+// `tl_detokenize`. Tokenize the result with `add_special_tokens` false: the template writes
+// them.
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL, not UTF-8, a byte-level model or one whose
+// tokenizer has no chat template, a template that refuses the conversation: its message),
+// `TL_ERR_CLOSED`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread, concurrently with other calls.
+//
+// # Safety
+// `messages` valid for `n_messages` reads, each string NULL or NUL-terminated; `out` valid
+// for `cap` bytes; `len` for one write.
+enum tl_status tl_apply_chat_template(const struct tl_model *model, const struct tl_chat_message *messages, size_t n_messages, bool add_generation_prompt, char *out, size_t cap, size_t *len);
+
+// Generate after the UTF-8 `prompt`, tokenized by the model's tokenizer, on the model's
+// default session; the generated text goes to `out` as NUL-terminated UTF-8 (`*len`: its byte
+// length plus one). Generation ends after `params->max_tokens` tokens, at max_seq_len, at the
+// tokenizer's end-of-sequence tokens (generation_config's `eos_token_id`; added to
+// `params->stop_tokens`), or at a stop string of `text`. `cap` must be at least max_tokens
+// times the most bytes one token can add to a text, plus one (3 * max_tokens + 1 for a
+// byte-level model): else `TL_ERR_BUFFER_TOO_SMALL` with that size in `*len`, before any
+// work (`out` NULL, `cap` 0 is a size query). `params`, `text` NULL: the defaults.
+//
+// Failures: as `tl_generate`, and `TL_ERR_INVALID_ARGUMENT` for a prompt that is not UTF-8,
+// a model without a tokenizer, an empty stop string, or a `params->prefix_cache`.
+//
+// Ownership: the caller owns all buffers; nothing is retained after the call.
+// Threads: any thread; one call at a time per model (use sessions for concurrency).
+//
+// # Safety
+// `prompt` NULL or NUL-terminated; `params` NULL or from `tl_generate_default_params`;
+// `text` NULL or from `tl_text_default_params`; `out` valid for `cap` bytes; `len` for one
+// write.
+enum tl_status tl_generate_text(const struct tl_model *model, const char *prompt, const struct tl_generate_params *params, const struct tl_text_params *text, char *out, size_t cap, size_t *len);
+
+// `tl_generate_text` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// Pointers other than `session` as `tl_generate_text`.
+enum tl_status tl_session_generate_text(const struct tl_session *session, const char *prompt, const struct tl_generate_params *params, const struct tl_text_params *text, char *out, size_t cap, size_t *len);
+
+// `tl_generate_text` drafting `spec->draft_len` tokens at a time at `spec->draft_loops` and
+// verifying them at `params->loops` (as `tl_generate_speculative`): greedy output equals
+// `tl_generate_text`'s. Statistics: `tl_last_generate_stats`.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// As `tl_generate_text`; `spec` NULL or from `tl_speculative_default_params`.
+enum tl_status tl_generate_text_speculative(const struct tl_model *model, const char *prompt, const struct tl_generate_params *params, const struct tl_speculative_params *spec, const struct tl_text_params *text, char *out, size_t cap, size_t *len);
+
+// `tl_generate_text_speculative` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_generate_text_speculative`.
+enum tl_status tl_session_generate_text_speculative(const struct tl_session *session, const char *prompt, const struct tl_generate_params *params, const struct tl_speculative_params *spec, const struct tl_text_params *text, char *out, size_t cap, size_t *len);
+
+// Like `tl_generate_text`, but calls `callback(piece, len, user_data)` on the calling thread
+// with each piece of generated text as soon as it is known: whole UTF-8 characters, never part
+// of a stop string (text that may begin one is held until it is known not to). Returning false
+// stops generation early (TL_OK). Pieces already delivered stay delivered when the call later
+// fails. The callback may call `tl_cancel`; any other call on this model from inside it
+// returns `TL_ERR_BUSY`.
+//
+// Ownership: `user_data` is passed through untouched; `piece` belongs to the library.
+// Threads: as `tl_generate_text`.
+//
+// # Safety
+// As `tl_generate_text`; `callback` must be safe to call with `user_data` during the call.
+enum tl_status tl_generate_text_stream(const struct tl_model *model, const char *prompt, const struct tl_generate_params *params, const struct tl_text_params *text, tl_text_callback callback, void *user_data);
+
+// `tl_generate_text_stream` on a session; the callback may call `tl_session_cancel`.
+//
+// Ownership: `user_data` is passed through. Threads: any thread; one call at a time per
+// session.
+//
+// # Safety
+// Arguments other than `session` as `tl_generate_text_stream`.
+enum tl_status tl_session_generate_text_stream(const struct tl_session *session, const char *prompt, const struct tl_generate_params *params, const struct tl_text_params *text, tl_text_callback callback, void *user_data);
+
+// `log p(token[i+1] | tokens[0..=i])` for the tokens of the UTF-8 `text` (tokenized with the
+// tokenizer's special tokens, so a BOS makes the first text token scored too) at `loops`
+// iterations (TL_LOOPS_DEFAULT: default_loops), on the model's default session, into
+// `out[0..*len]`: one value per token after the first. The count is known once the text is
+// tokenized (no network pass): a short `cap` (or a size query) is `TL_ERR_BUFFER_TOO_SMALL`
+// with it in `*len`. With prefill_chunk > 0 the text must be at most that many tokens.
+//
+// Failures: as `tl_logprobs`, and `TL_ERR_INVALID_ARGUMENT` for a text that is not UTF-8 or
+// is fewer than 2 tokens, or a model without a tokenizer.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// `text` NULL or NUL-terminated; `out` valid for `cap` writes; `len` for one write.
+enum tl_status tl_score_text(const struct tl_model *model, const char *text, int32_t loops, float *out, size_t cap, size_t *len);
+
+// `tl_score_text` on a session.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// As `tl_score_text`.
+enum tl_status tl_session_score_text(const struct tl_session *session, const char *text, int32_t loops, float *out, size_t cap, size_t *len);
 
 #ifdef __cplusplus
 }  // extern "C"

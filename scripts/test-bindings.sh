@@ -106,6 +106,10 @@ done
 export TINYLOOP_TEST_MODEL="$WORK/tiny.tinyloop"
 "$REL/tinyloop" synth --preset tiny --seed 1 --out "$TINYLOOP_TEST_MODEL" >/dev/null \
     || { echo "tinyloop synth failed"; exit 1; }
+# A model that carries the tokenizer fixture (tests/data/tokenizer), for the text calls.
+export TINYLOOP_TEST_TEXT_MODEL="$WORK/tiny-text.tinyloop"
+"$REL/tinyloop" synth --preset tiny --seed 1 --tokenizer "$ROOT/tests/data/tokenizer" \
+    --out "$TINYLOOP_TEST_TEXT_MODEL" >/dev/null || { echo "tinyloop synth --tokenizer failed"; exit 1; }
 export TINYLOOP_BIN="$REL/tinyloop"
 CFLAGS=(-std=c11 -D_DEFAULT_SOURCE -O1 -g -Wall -Wextra -Werror -I"$ROOT/include")
 SO_LINK=(-L"$REL" -ltinyloop -Wl,-rpath,"$REL")

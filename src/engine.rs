@@ -50,6 +50,8 @@ pub(crate) struct Shared {
     pub session_bytes: AtomicUsize,
     /// The CTX-TIER policy of `TINYLOOP_CTX_TIER*` at open (generation calls without one).
     pub env_ctx_tier: Option<CtxTier>,
+    /// The tokenizer the file's metadata names (`None`: the model takes token ids only).
+    pub tokenizer: Option<crate::Tokenizer>,
 }
 
 impl Shared {

@@ -38,6 +38,8 @@ pub mod kv;
 pub mod model;
 mod session;
 pub mod telemetry;
+mod text;
+pub mod tokenizer;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,6 +72,8 @@ pub use model::config::{HeadKind, ModelConfig, NormKind, DEFAULT_MAX_SEQ_LEN};
 pub use model::state_init::StateInit;
 pub use session::{CancelHandle, Session};
 pub use telemetry::beta_monitor::{BetaMonEnv, BetaMonSummary, BetaMonitor};
+pub use text::{GeneratedText, ScoredText, TextParams};
+pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// Options fixed when a model is opened.
 #[derive(Clone, Debug, PartialEq)]
@@ -205,6 +209,7 @@ impl Model {
             (file, choice)
         });
         let (file, choice) = (file?, choice?);
+        let tokenizer = Tokenizer::from_metadata(&file.metadata, file.config.vocab_size)?;
         let options = &ModelOptions {
             max_seq_len: match options.max_seq_len {
                 0 => file.config.default_max_seq_len(),
@@ -302,6 +307,7 @@ impl Model {
                 info,
                 session_bytes: AtomicUsize::new(0),
                 env_ctx_tier,
+                tokenizer,
             }),
         })
     }

@@ -454,9 +454,10 @@ fn model_path_problems_are_named() {
 }
 
 /// Every command a user can run.
-const COMMANDS: [&str; 9] = [
+const COMMANDS: [&str; 10] = [
     "info",
     "generate",
+    "tokenize",
     "score",
     "bench",
     "lens",
@@ -802,4 +803,225 @@ fn max_seq_len_defaults_to_the_model_s_positions() {
         "above max_position",
         "max_seq_len 300 exceeds the model's max_position 256",
     );
+}
+
+/// A model with the tokenizer fixture in its metadata, as `synth --tokenizer` writes it.
+fn text_model() -> String {
+    let path = common::scratch("cli").join("tiny-text.tinyloop");
+    let dir = common::tokenizer_dir();
+    stdout(&tinyloop(&[
+        "synth",
+        "--preset",
+        "tiny",
+        "--seed",
+        "1",
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--out",
+        path.to_str().unwrap(),
+    ]));
+    path.to_string_lossy().into_owned()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    serde_json::from_str(&stdout(out)).unwrap()
+}
+
+#[test]
+fn generate_prompt_goes_through_the_model_s_tokenizer() {
+    let m = text_model();
+    let info = json_of(&tinyloop(&[&m, "info", "--json"]));
+    assert_eq!(info["config"]["vocab_size"], 384);
+    assert_eq!(info["metadata"]["tokenizer"], "huggingface");
+    let args = [
+        &m,
+        "generate",
+        "--prompt",
+        "ROMEO: But soft",
+        "--max-tokens",
+        "16",
+        "--loops",
+        "2",
+    ];
+    let v = json_of(&tinyloop(&[&args[..], &["--json"]].concat()));
+    // The same tokens from the prompt's ids (with the BOS the tokenizer adds), and the text is
+    // their decoding without special tokens.
+    let ids = json_of(&tinyloop(&[
+        &m,
+        "tokenize",
+        "--prompt",
+        "ROMEO: But soft",
+        "--json",
+    ]));
+    let ids: Vec<String> = ids["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    assert_eq!(ids[0], "381");
+    let by_ids = json_of(&tinyloop(&[
+        &m,
+        "generate",
+        "--tokens",
+        &ids.join(","),
+        "--max-tokens",
+        "16",
+        "--loops",
+        "2",
+        "--json",
+    ]));
+    let n = v["tokens"].as_array().unwrap().len();
+    assert_eq!(
+        v["tokens"].as_array().unwrap()[..],
+        by_ids["tokens"].as_array().unwrap()[..n]
+    );
+    assert!(v["text"].is_string());
+    // Streamed: the prompt, then the same text.
+    let streamed = stdout(&tinyloop(&[&args[..], &["-q"]].concat()));
+    assert_eq!(
+        streamed,
+        format!("ROMEO: But soft{}\n", v["text"].as_str().unwrap())
+    );
+}
+
+#[test]
+fn generate_stop_ends_the_text_before_the_stop_string() {
+    let m = text_model();
+    let args = [
+        &m,
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "40",
+        "--loops",
+        "2",
+        "--json",
+    ];
+    let full = json_of(&tinyloop(&args));
+    let text = full["text"].as_str().unwrap();
+    let stop: String = text.chars().skip(3).take(2).collect();
+    assert_eq!(stop.chars().count(), 2, "the text is long enough: {text:?}");
+    let cut = json_of(&tinyloop(
+        &[&args[..], &["--stop", "never there", "--stop", &stop]].concat(),
+    ));
+    assert_eq!(cut["text"], text[..text.find(&stop).unwrap()]);
+}
+
+#[test]
+fn generate_chat_renders_the_template_and_prints_only_the_reply() {
+    let m = text_model();
+    let args = [
+        &m,
+        "generate",
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--max-tokens",
+        "8",
+        "--loops",
+        "2",
+    ];
+    let v = json_of(&tinyloop(&[&args[..], &["--json"]].concat()));
+    let streamed = stdout(&tinyloop(&[&args[..], &["-q"]].concat()));
+    assert_eq!(streamed, format!("{}\n", v["text"].as_str().unwrap()));
+    let rendered = json_of(&tinyloop(&[
+        &m, "tokenize", "--prompt", "Hi", "--chat", "--json",
+    ]));
+    let text = rendered["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("<|im_start|>system\n") && text.ends_with("<|im_start|>assistant\n"),
+        "{text:?}"
+    );
+    assert_eq!(rendered["tokens"][0], 382, "<|im_start|>, no BOS added");
+}
+
+#[test]
+fn tokenize_prints_the_ids_of_the_fixture() {
+    let m = text_model();
+    let expected: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::tokenizer_dir().join("expected.json")).unwrap(),
+    )
+    .unwrap();
+    let case = &expected["cases"][0];
+    let ids = |key: &str| -> String {
+        let ids: Vec<String> = case[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        ids.join(",") + "\n"
+    };
+    let text = case["text"].as_str().unwrap();
+    assert_eq!(
+        stdout(&tinyloop(&[&m, "tokenize", "--prompt", text])),
+        ids("ids_with_special_tokens")
+    );
+    let plain = tinyloop(&[&m, "tokenize", "--prompt", text, "--no-special-tokens"]);
+    assert_eq!(stdout(&plain), ids("ids"));
+    // A byte-level model: the bytes.
+    assert_eq!(
+        stdout(&tinyloop(&[&model(), "tokenize", "--prompt", "é!"])),
+        "195,169,33\n"
+    );
+}
+
+#[test]
+fn text_options_fail_with_one_line_naming_the_problem() {
+    let (m, bytes) = (text_model(), model());
+    // `synth` names no tokenizer for a vocabulary other than 256 bytes.
+    let no_tokenizer = common::scratch("cli").join("no-tokenizer.tinyloop");
+    let config = tinyloop::ModelConfig {
+        vocab_size: 384,
+        ..tinyloop::model::synth::preset("tiny").unwrap()
+    };
+    let writer = tinyloop::model::synth::random_model(&config, 1, 4, 32).unwrap();
+    writer.write(&no_tokenizer).unwrap();
+    let no_tokenizer = no_tokenizer.to_str().unwrap();
+    for (args, message) in [
+        (
+            vec![&bytes[..], "generate", "--prompt", "x", "--chat"],
+            "byte-level and has no chat template",
+        ),
+        (
+            vec![&m, "generate", "--prompt", "x", "--stop", ""],
+            "stop string 0 is empty",
+        ),
+        (
+            vec![&m, "generate", "--tokens", "1", "--stop", "x"],
+            "--prompt",
+        ),
+        (
+            vec![no_tokenizer, "tokenize", "--prompt", "x"],
+            "the model has no tokenizer",
+        ),
+        (
+            vec![no_tokenizer, "generate", "--prompt", "x"],
+            "the model has no tokenizer",
+        ),
+        (
+            vec![
+                "synth",
+                "--preset",
+                "tiny",
+                "--tokenizer",
+                "/missing",
+                "--out",
+                "/tmp/x",
+            ],
+            "cannot read /missing/tokenizer.json",
+        ),
+    ] {
+        let out = tinyloop(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains(message), "{args:?}: {err}");
+        let error_lines = err.lines().filter(|l| l.starts_with("error")).count();
+        assert_eq!(error_lines, 1, "{args:?}: {err}");
+    }
 }

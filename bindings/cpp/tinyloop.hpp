@@ -5,6 +5,7 @@
 //   std::vector<int32_t> out = model.generate({82, 79, 77, 69, 79, 58});
 //   model.generate_stream(prompt, opts, [](int32_t t) { std::printf("%d ", t); });
 //   std::vector<float> lens = model.score_logit_lens(prompt, 8);  // [8 * vocab]
+//   std::string reply = model.generate_text("ROMEO:");     // models that carry a tokenizer
 //
 // Handles are move-only RAII objects: ~Model frees the model (tl_model_free), ~Session the
 // session, ~PrefixCache and ~ResumeHandle theirs (closing their model releases them too). Every failure throws tinyloop::Error carrying the tl_status and the library's message.
@@ -23,6 +24,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -303,6 +305,48 @@ struct GenerateOptions {
 };
 
 /// The static architecture of a model plus the options it was opened with.
+/// How a text call tokenizes its prompt and turns the generated tokens into text.
+struct TextOptions {
+    /// Stop strings: generation ends once the generated text contains one (also across
+    /// tokens); the text returned ends before it. None may be empty.
+    std::vector<std::string> stop;
+    /// Add the tokenizer's special tokens (its BOS, ...) to the prompt; false for a prompt
+    /// from apply_chat_template, which has them already.
+    bool add_special_tokens = true;
+    /// Leave special tokens out of the generated text.
+    bool skip_special_tokens = true;
+};
+
+/// One message of a conversation for Model::apply_chat_template.
+struct ChatMessage {
+    std::string role;  ///< "system", "user", "assistant", or another role the template knows
+    std::string content;
+};
+
+namespace detail {
+/// `s` as a C string; a NUL byte inside it, which C would cut the string at, throws.
+inline const char* c_str(const std::string& s, const char* what) {
+    if (s.find('\0') != std::string::npos)
+        throw Error(TL_ERR_INVALID_ARGUMENT, std::string(what) + " contains a NUL byte");
+    return s.c_str();
+}
+
+/// TextOptions in C form; the pointers refer to the options, which must outlive it.
+struct CText {
+    std::vector<const char*> stops;
+    tl_text_params params;
+
+    explicit CText(const TextOptions& t) {
+        check(tl_text_default_params(&params));
+        for (const std::string& stop : t.stop) stops.push_back(c_str(stop, "stop string"));
+        params.stop = stops.data();
+        params.n_stop = stops.size();
+        params.add_special_tokens = t.add_special_tokens;
+        params.skip_special_tokens = t.skip_special_tokens;
+    }
+};
+}  // namespace detail
+
 struct Config {
     uint32_t dim, n_heads, n_kv_heads, ffn_dim, vocab_size, embed_factor_dim;
     uint32_t n_pre_blocks, n_loop_blocks, n_post_blocks, default_loops;
@@ -330,6 +374,29 @@ struct Stream {
                 return true;
             } else {
                 return static_cast<bool>((*self->fn)(token));
+            }
+        } catch (...) {
+            self->error = std::current_exception();
+            return false;
+        }
+    }
+};
+
+/// Text stream state: the user's callable on std::string_view pieces, and an exception it threw.
+template <class F>
+struct TextStream {
+    F* fn;
+    std::exception_ptr error;
+
+    static bool callback(const char* piece, std::size_t len, void* user_data) noexcept {
+        auto* self = static_cast<TextStream*>(user_data);
+        try {
+            std::string_view text(piece, len);
+            if constexpr (std::is_same_v<decltype((*self->fn)(text)), void>) {
+                (*self->fn)(text);
+                return true;
+            } else {
+                return static_cast<bool>((*self->fn)(text));
             }
         } catch (...) {
             self->error = std::current_exception();
@@ -460,6 +527,56 @@ public:
         return out;
     }
 
+    /// Generate after the text `prompt`, tokenized by the model's tokenizer; returns the
+    /// generated text. Generation also ends at the tokenizer's end-of-sequence tokens and at
+    /// text.stop.
+    std::string generate_text(const std::string& prompt, const GenerateOptions& opts = {},
+                              const TextOptions& text = {}) const {
+        tl_generate_params p = opts.to_c();
+        detail::CText t(text);
+        const char* c_prompt = detail::c_str(prompt, "prompt");
+        std::size_t need = 0;
+        tl_status status =
+            Self::c_generate_text(handle(), c_prompt, &p, &t.params, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) check(status);
+        std::string out(need, '\0');
+        check(Self::c_generate_text(handle(), c_prompt, &p, &t.params, out.data(), out.size(),
+                                    &need));
+        out.resize(need > 0 ? need - 1 : 0);
+        return out;
+    }
+
+    /// generate_text calling `on_piece(std::string_view)` with each piece of generated text as
+    /// soon as it is known (whole characters, never part of a stop string), on this thread. It
+    /// may return bool (false stops generation) or void; an exception it throws stops
+    /// generation and is rethrown here.
+    template <class F>
+    void generate_text_stream(const std::string& prompt, const GenerateOptions& opts,
+                              const TextOptions& text, F&& on_piece) const {
+        tl_generate_params p = opts.to_c();
+        detail::CText t(text);
+        using Fn = std::remove_reference_t<F>;
+        TextStream<Fn> stream{&on_piece, nullptr};
+        tl_status status = Self::c_generate_text_stream(
+            handle(), detail::c_str(prompt, "prompt"), &p, &t.params, &TextStream<Fn>::callback,
+            &stream);
+        if (stream.error) std::rethrow_exception(stream.error);
+        check(status);
+    }
+
+    /// log p(token[i+1] | tokens[..=i]) for the tokens of `text` under the model's tokenizer,
+    /// with its special tokens: one value per token after the first.
+    std::vector<float> score_text(const std::string& text, int32_t loops = TL_LOOPS_DEFAULT) const {
+        const char* c_text = detail::c_str(text, "text");
+        std::size_t need = 0;
+        tl_status status = Self::c_score_text(handle(), c_text, loops, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) check(status);
+        std::vector<float> out(need > 0 ? need : 1);
+        check(Self::c_score_text(handle(), c_text, loops, out.data(), out.size(), &need));
+        out.resize(need);
+        return out;
+    }
+
     /// What the last successful generation call here did (tokens, times, drafts accepted).
     tl_generate_stats last_generate_stats() const {
         tl_generate_stats stats{};
@@ -558,7 +675,63 @@ public:
     /// A new session over this model's weights (defined below).
     Session new_session() const;
 
+    /// The token ids of `text` under the model's tokenizer; with add_special_tokens, those the
+    /// tokenizer adds around a text (its BOS, ...). Never waits for a running call.
+    std::vector<int32_t> tokenize(const std::string& text, bool add_special_tokens = true) const {
+        const char* c_text = detail::c_str(text, "text");
+        std::size_t need = 0;
+        tl_status status = tl_tokenize(ptr_, c_text, add_special_tokens, nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) detail::check(status);
+        std::vector<int32_t> out(need > 0 ? need : 1);
+        detail::check(tl_tokenize(ptr_, c_text, add_special_tokens, out.data(), out.size(), &need));
+        out.resize(need);
+        return out;
+    }
+
+    /// The text of `tokens` (special tokens left out with skip_special_tokens); bytes that do
+    /// not form UTF-8 become U+FFFD.
+    std::string detokenize(Tokens tokens, bool skip_special_tokens = false) const {
+        return sized_text([&](char* out, std::size_t cap, std::size_t* len) {
+            return tl_detokenize(ptr_, tokens.data(), tokens.size(), skip_special_tokens, out,
+                                 cap, len);
+        });
+    }
+
+    /// The id of the special token written `text` (e.g. "<|im_end|>"); an unknown one throws
+    /// Error with TL_ERR_INVALID_ARGUMENT naming it.
+    int32_t special_token(const std::string& text) const {
+        int32_t id = 0;
+        detail::check(tl_special_token(ptr_, detail::c_str(text, "text"), &id));
+        return id;
+    }
+
+    /// `messages` rendered by the model's chat template; with add_generation_prompt, followed
+    /// by the start of the assistant's reply. Generate from it with
+    /// TextOptions::add_special_tokens false.
+    std::string apply_chat_template(const std::vector<ChatMessage>& messages,
+                                    bool add_generation_prompt = true) const {
+        std::vector<tl_chat_message> c;
+        for (const ChatMessage& m : messages)
+            c.push_back({detail::c_str(m.role, "role"), detail::c_str(m.content, "content")});
+        return sized_text([&](char* out, std::size_t cap, std::size_t* len) {
+            return tl_apply_chat_template(ptr_, c.data(), c.size(), add_generation_prompt, out,
+                                          cap, len);
+        });
+    }
+
 private:
+    /// The NUL-terminated text `get(out, cap, len)` writes: a size query, then the call.
+    template <class Get>
+    static std::string sized_text(Get&& get) {
+        std::size_t need = 0;
+        tl_status status = get(nullptr, 0, &need);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) detail::check(status);
+        std::string s(need, '\0');
+        detail::check(get(s.data(), s.size(), &need));
+        s.resize(need > 0 ? need - 1 : 0);
+        return s;
+    }
+
     /// The string a tl_model_* text accessor writes.
     std::string text(tl_status (*get)(const tl_model*, char*, std::size_t, std::size_t*)) const {
         std::size_t need = 0;
@@ -588,6 +761,9 @@ public:
     static constexpr auto c_resume_handle_new = tl_resume_handle_new;
     static constexpr auto c_resume_generate = tl_resume_generate;
     static constexpr auto c_last_generate_stats = tl_last_generate_stats;
+    static constexpr auto c_generate_text = tl_generate_text;
+    static constexpr auto c_generate_text_stream = tl_generate_text_stream;
+    static constexpr auto c_score_text = tl_score_text;
 
 private:
     tl_model* ptr_ = nullptr;
@@ -626,6 +802,9 @@ public:
     static constexpr auto c_resume_handle_new = tl_session_resume_handle_new;
     static constexpr auto c_resume_generate = tl_session_resume_generate;
     static constexpr auto c_last_generate_stats = tl_session_last_generate_stats;
+    static constexpr auto c_generate_text = tl_session_generate_text;
+    static constexpr auto c_generate_text_stream = tl_session_generate_text_stream;
+    static constexpr auto c_score_text = tl_session_score_text;
 
 private:
     tl_session* ptr_ = nullptr;

@@ -17,9 +17,9 @@ use tinyloop::env;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
-    BetaMonEnv, BetaMonitor, CtxTier, CtxTierStats, Device, Error, GenerateParams, GenerateStats,
-    KvMode, Model, ModelOptions, Result, SamplingParams, Speculation, DEFAULT_MAX_SEQ_LEN,
-    MAX_DRAFT_LEN,
+    BetaMonEnv, BetaMonitor, ChatMessage, CtxTier, CtxTierStats, Device, Error, GenerateParams,
+    GenerateStats, KvMode, Model, ModelOptions, Result, SamplingParams, Speculation, TextParams,
+    Tokenizer, DEFAULT_MAX_SEQ_LEN, MAX_DRAFT_LEN,
 };
 
 /// No upper bound on a whole-number option but its type's.
@@ -72,13 +72,13 @@ fn draft_loop_count() -> impl Fn(&str) -> std::result::Result<usize, String> + C
     version,
     about = "Run looped transformers stored as .tinyloop files",
     override_usage = "tinyloop MODEL \
-                      <info|generate|score|bench|lens|trajectory|requantize> [OPTIONS]\n       \
+                      <info|generate|tokenize|score|bench|lens|trajectory|requantize> [OPTIONS]\n       \
                       tinyloop synth --preset NAME --seed S [--bits 4|2|16] --out PATH\n       \
                       tinyloop convert --safetensors F --config C --out PATH [OPTIONS]\n       \
                       tinyloop convert --hf DIR --out PATH [OPTIONS]\n       \
                       tinyloop help [COMMAND]",
-    after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, score, \
-                  bench, lens, trajectory, requantize, synth, convert)."
+    after_help = "`tinyloop help COMMAND` shows the options of a command (info, generate, \
+                  tokenize, score, bench, lens, trajectory, requantize, synth, convert)."
 )]
 struct ModelCli {
     /// Path to a .tinyloop file.
@@ -97,6 +97,8 @@ enum ModelCommand {
     },
     /// Generate tokens after a prompt.
     Generate(GenerateArgs),
+    /// Print the token ids of a text under the model's tokenizer.
+    Tokenize(TokenizeArgs),
     /// Mean negative log-likelihood (nats/token) and perplexity of a text.
     Score(ScoreArgs),
     /// Measure load time, prefill throughput and decode latency.
@@ -158,12 +160,21 @@ struct CommonArgs {
 struct GenerateArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Prompt text (byte-level models only).
+    /// Prompt text, tokenized by the model's tokenizer; the generated text is printed as it
+    /// streams.
     #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
     prompt: Option<OsString>,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     tokens: Option<Vec<i64>>,
+    /// Render the prompt as one user message with the model's chat template (and the start of
+    /// the assistant's reply); only the reply is printed. With --prompt.
+    #[arg(long)]
+    chat: bool,
+    /// Stop when the generated text contains STR (not printed); repeat for several. With
+    /// --prompt.
+    #[arg(long = "stop", value_name = "STR")]
+    stop: Vec<String>,
     /// Tokens to generate after the prompt.
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = whole::<usize>(1, MAX))]
     max_tokens: usize,
@@ -219,6 +230,22 @@ impl ExitArgs {
             )),
         }
     }
+}
+
+#[derive(Args)]
+struct TokenizeArgs {
+    /// The text.
+    #[arg(long)]
+    prompt: OsString,
+    /// Render the text as one user message with the model's chat template first.
+    #[arg(long)]
+    chat: bool,
+    /// Leave out the special tokens the tokenizer adds around a text (its BOS, ...).
+    #[arg(long)]
+    no_special_tokens: bool,
+    /// Print machine-readable JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// CTX-TIER: the loop body runs at INT2 once the context is long (docs/ABI.md "CTX-TIER").
@@ -492,6 +519,11 @@ enum ToolCommand {
         /// One of: tiny, small, tl-407m, tiny-gqa, tiny-tied.
         #[arg(long)]
         preset: String,
+        /// A folder with a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json and
+        /// optionally generation_config.json) to store in the model, whose vocabulary is then
+        /// the tokenizer's.
+        #[arg(long, value_name = "DIR")]
+        tokenizer: Option<PathBuf>,
         /// Seed of the random weights; the same seed writes the same file.
         #[arg(long, default_value_t = 0, value_parser = whole::<u64>(0, MAX))]
         seed: u64,
@@ -693,14 +725,26 @@ fn run_tool(cli: ToolCli) -> Result<()> {
     match cli.command {
         ToolCommand::Synth {
             preset,
+            tokenizer,
             seed,
             bits,
             group_size,
             out,
         } => {
             let group_size = quantization_groups(bits, group_size)?;
-            let config = synth::preset(&preset)?;
-            synth::random_model(&config, seed, bits, group_size)?.write(&out)?;
+            let mut config = synth::preset(&preset)?;
+            let metadata = match &tokenizer {
+                Some(dir) => tinyloop::tokenizer::metadata_from_dir(dir)?,
+                None => serde_json::Map::new(),
+            };
+            if tokenizer.is_some() {
+                config.vocab_size = tinyloop::tokenizer::vocab_size(&metadata)?;
+            }
+            let mut writer = synth::random_model(&config, seed, bits, group_size)?;
+            for (key, value) in metadata {
+                writer.set_metadata(&key, value);
+            }
+            writer.write(&out)?;
             eprintln!(
                 "wrote {} ({preset}, seed {seed}, {bits}-bit)",
                 out.display()
@@ -809,6 +853,7 @@ fn run_model(cli: ModelCli) -> Result<()> {
     match cli.command {
         ModelCommand::Info { json } => info(&cli.model, json),
         ModelCommand::Generate(args) => generate(&cli.model, args),
+        ModelCommand::Tokenize(args) => tokenize(&cli.model, args),
         ModelCommand::Score(args) => score(&cli.model, args),
         ModelCommand::Bench(args) => bench(&cli.model, args),
         ModelCommand::Lens(args) => lens(&cli.model, args),
@@ -846,11 +891,17 @@ fn is_byte_level(model: &Model) -> bool {
     model.config().vocab_size == 256
 }
 
+/// The tokens of `--text`, `--file` or `--prompt`: the bytes for a byte-level model (any bytes),
+/// else the UTF-8 text through the model's tokenizer, with its special tokens.
 fn text_tokens(model: &Model, text: &[u8], flag: &str) -> Result<Vec<u32>> {
-    if !is_byte_level(model) {
-        return Err(Error::InvalidArgument(format!(
-            "{flag} needs a byte-level model (vocab_size 256); pass --tokens instead"
-        )));
+    let tokenizer = model.tokenizer().map_err(|e| match e {
+        Error::InvalidArgument(why) => Error::InvalidArgument(format!("{flag}: {why}")),
+        other => other,
+    })?;
+    if let Tokenizer::HuggingFace(_) = tokenizer {
+        let text = std::str::from_utf8(text)
+            .map_err(|_| Error::InvalidArgument(format!("{flag} is not valid UTF-8")))?;
+        return tokenizer.encode(text, true);
     }
     // A --file can be as large as the disk: four bytes per byte may not fit in memory.
     let mut tokens = Vec::new();
@@ -936,6 +987,11 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
 fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     // Everything is checked before anything is printed: the flags here, the prompt and the
     // request by the library before the first token, with which the prompt is echoed.
+    if args.prompt.is_none() && (args.chat || !args.stop.is_empty()) {
+        return Err(Error::InvalidArgument(
+            "--chat and --stop work on text: pass the prompt as --prompt".into(),
+        ));
+    }
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         loops: args.common.loops,
@@ -947,7 +1003,7 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
     };
     let model = open(path, &args.common)?;
     let prompt = match (&args.prompt, &args.tokens) {
-        (Some(text), _) => text_tokens(&model, utf8(text, "--prompt")?.as_bytes(), "--prompt")?,
+        (Some(text), _) => return generate_text(&model, utf8(text, "--prompt")?, &args, &params),
         (None, Some(ids)) => parse_tokens(ids, &model)?,
         (None, None) => unreachable!("clap requires --prompt or --tokens"),
     };
@@ -997,19 +1053,83 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
         .write_all(String::from_utf8_lossy(&pending).as_bytes())
         .ok();
     writeln!(stdout).ok();
-    print_beta_mon(&model, &session.last_generate_stats());
+    report(&model, &session, &args, tokens.len());
+    Ok(())
+}
+
+/// `generate --prompt`: the prompt through the model's tokenizer (or its chat template), the
+/// generated text printed as it streams, until `--max-tokens`, an end-of-sequence token or a
+/// `--stop` string.
+fn generate_text(
+    model: &Model,
+    prompt: &str,
+    args: &GenerateArgs,
+    params: &GenerateParams,
+) -> Result<()> {
+    let (prompt, mut echo) = if args.chat {
+        let user = [ChatMessage::new("user", prompt)];
+        (model.apply_chat_template(&user, true)?, None)
+    } else {
+        (prompt.to_string(), Some(prompt))
+    };
+    let text = TextParams {
+        stop: args.stop.clone(),
+        // A chat template writes the special tokens itself.
+        add_special_tokens: !args.chat,
+        ..TextParams::default()
+    };
+    let mut session = model.new_session()?;
+    let speculation = args.speculation.speculation();
+    let run =
+        |session: &mut tinyloop::Session, on_text: &mut dyn FnMut(&str) -> bool| match &speculation
+        {
+            Some(spec) => session.generate_text_speculative(&prompt, params, spec, &text, on_text),
+            None => session.generate_text_stream(&prompt, params, &text, on_text),
+        };
+    if args.common.json {
+        let out = run(&mut session, &mut |_| true)?;
+        let stats = stats_json(&session.last_generate_stats(), speculation.is_some());
+        print_beta_mon(model, &session.last_generate_stats());
+        println!(
+            "{}",
+            json!({"tokens": out.tokens, "text": out.text, "stats": stats})
+        );
+        return Ok(());
+    }
+    let mut stdout = std::io::stdout().lock();
+    let out = run(&mut session, &mut |piece| {
+        // The prompt is echoed once the request is known to be good.
+        if let Some(prompt) = echo.take() {
+            stdout.write_all(prompt.as_bytes()).ok();
+        }
+        stdout.write_all(piece.as_bytes()).ok();
+        stdout.flush().ok();
+        true
+    })?;
+    if let Some(prompt) = echo {
+        stdout.write_all(prompt.as_bytes()).ok();
+    }
+    writeln!(stdout).ok();
+    report(model, &session, args, out.tokens.len());
+    Ok(())
+}
+
+/// After a generation: BETA-MON's summary, and unless `-q` a line with the token count (and the
+/// speculation's acceptance).
+fn report(model: &Model, session: &tinyloop::Session, args: &GenerateArgs, tokens: usize) {
+    print_beta_mon(model, &session.last_generate_stats());
     if !args.common.quiet {
         let stats = session.last_generate_stats();
-        eprint!("[tinyloop] generated {} tokens", tokens.len());
-        if params.exit.is_some() {
-            let loops = params.loops.unwrap_or(model.config().default_loops);
+        eprint!("[tinyloop] generated {tokens} tokens");
+        if !stats.exit_steps.is_empty() {
+            let loops = args.common.loops.unwrap_or(model.config().default_loops);
             eprint!(
                 "; exit after {:.2} iterations on average, per iteration {:?}",
                 stats.mean_exit_steps(),
                 stats.exit_histogram(loops)
             );
         }
-        if speculation.is_some() {
+        if args.speculation.draft_loops.is_some() {
             eprint!(
                 "; accepted {} of {} drafts ({:.1} %), draft/verify agreement {:.1} %",
                 stats.accepted,
@@ -1019,6 +1139,30 @@ fn generate(path: &PathBuf, args: GenerateArgs) -> Result<()> {
             );
         }
         eprintln!();
+    }
+}
+
+/// `tokenize`: the ids of a text under the tokenizer stored in the file (the weights are not
+/// loaded).
+fn tokenize(path: &PathBuf, args: TokenizeArgs) -> Result<()> {
+    let file = tinyloop::ModelFile::open(path)?;
+    let tokenizer =
+        Tokenizer::from_metadata(&file.metadata, file.config.vocab_size)?.ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "the model has no tokenizer (vocab_size {}, metadata names none)",
+                file.config.vocab_size
+            ))
+        })?;
+    let mut text = utf8(&args.prompt, "--prompt")?.to_string();
+    if args.chat {
+        text = tokenizer.apply_chat_template(&[ChatMessage::new("user", text)], true)?;
+    }
+    let tokens = tokenizer.encode(&text, !args.chat && !args.no_special_tokens)?;
+    if args.json {
+        println!("{}", json!({"tokens": tokens, "text": text}));
+    } else {
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        println!("{}", ids.join(","));
     }
     Ok(())
 }
@@ -1085,13 +1229,16 @@ fn lens_input(path: &PathBuf, args: &InputArgs) -> Result<(Model, Vec<u32>, usiz
     Ok((model, tokens, loops))
 }
 
-/// A token as `lens` and `trajectory` print it: the quoted character of a byte-level model,
-/// else the id.
+/// A token as `lens` and `trajectory` print it: the quoted character of a byte-level model, the
+/// quoted text of a Hugging Face tokenizer's token, else the id.
 fn token_name(model: &Model, token: u32) -> String {
-    if is_byte_level(model) {
-        format!("{:?}", (token as u8) as char)
-    } else {
-        token.to_string()
+    match model.tokenizer() {
+        Ok(Tokenizer::Bytes) => format!("{:?}", (token as u8) as char),
+        Ok(tokenizer) => match tokenizer.decode(&[token], false) {
+            Ok(text) => format!("{text:?}"),
+            Err(_) => token.to_string(),
+        },
+        Err(_) => token.to_string(),
     }
 }
 

@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::format::map_file;
 use crate::model::architecture::{Architecture, BlockNorms, LoopInput, LoopNorm, LoopState};
 use crate::model::config::{HeadKind, ModelConfig, NormKind};
+use crate::tokenizer;
 
 /// The families `convert --hf` reads, by their `architectures` entry in config.json.
 pub const SUPPORTED: [&str; 2] = ["OuroForCausalLM", "RavenForCausalLM"];
@@ -77,7 +78,21 @@ impl HfCheckpoint {
         };
         config.validate()?;
         let (shards, index) = open_shards(dir)?;
-        let mut metadata = Map::new();
+        // The tokenizer files, checked (a folder without tokenizer.json has none).
+        let mut metadata = if dir.join("tokenizer.json").exists() {
+            let metadata = tokenizer::metadata_from_dir(dir)?;
+            let words = tokenizer::vocab_size(&metadata)?;
+            if words > config.vocab_size {
+                return Err(Error::format(format!(
+                    "{}: the tokenizer has {words} tokens, the model's vocab_size is {}",
+                    dir.display(),
+                    config.vocab_size
+                )));
+            }
+            metadata
+        } else {
+            Map::new()
+        };
         metadata.insert(
             "source".into(),
             Value::String(format!(
@@ -85,18 +100,6 @@ impl HfCheckpoint {
                 architectures[0].as_str().unwrap_or("")
             )),
         );
-        if let Some(text) = read_optional(&dir.join("tokenizer.json"))? {
-            metadata.insert("tokenizer".into(), "huggingface".into());
-            metadata.insert("tokenizer_json".into(), Value::String(text));
-        }
-        for (key, file) in [
-            ("tokenizer_config", "tokenizer_config.json"),
-            ("generation_config", "generation_config.json"),
-        ] {
-            if read_optional(&dir.join(file))?.is_some() {
-                metadata.insert(key.into(), read_json(&dir.join(file))?);
-            }
-        }
         let checkpoint = HfCheckpoint {
             dir: dir.to_path_buf(),
             family,

@@ -346,7 +346,7 @@ unsafe fn resume_generate(
 ///
 /// # Safety
 /// As [`generate_params`].
-unsafe fn params_without_prefix(
+pub(super) unsafe fn params_without_prefix(
     params: *const tl_generate_params,
     func: &str,
 ) -> FfiResult<GenerateParams> {

@@ -379,6 +379,8 @@ mod looped;
 pub use looped::*;
 mod ctx_tier;
 pub use ctx_tier::*;
+mod text;
+pub use text::*;
 
 #[cfg(test)]
 mod tests {

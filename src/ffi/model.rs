@@ -74,7 +74,7 @@ impl OpenModel {
 }
 
 /// The model behind a handle that `func` was called on (a clone that shares the weights).
-fn model_of(model: *const tl_model, func: &str) -> FfiResult<Model> {
+pub(super) fn model_of(model: *const tl_model, func: &str) -> FfiResult<Model> {
     MODELS.get(model, func)?.model(func)
 }
 

@@ -4,9 +4,11 @@
  * test (concurrent results equal sequential ones).
  *
  *   cc -std=c11 -pthread -Iinclude tests/c/abi_test.c -Ltarget/release -ltinyloop -lm -o abi_test
- *   ./abi_test tiny.tinyloop
+ *   ./abi_test tiny.tinyloop [tiny-text.tinyloop]
  *
  * The model must have a byte vocabulary (vocab_size 256), e.g. `tinyloop synth --preset tiny`.
+ * The text calls need a model that carries the tokenizer fixture: the second argument, else
+ * TINYLOOP_TEST_TEXT_MODEL (`tinyloop synth --preset tiny --tokenizer tests/data/tokenizer`).
  * Prints one line per check and "abi_test: N passed, M failed"; exit status 1 on any failure.
  */
 #include <math.h>
@@ -47,22 +49,25 @@ static int passed = 0, failed = 0;
     } while (0)
 
 static const char *model_path;
+static const char *text_model_path;
 static const int32_t PROMPT[] = {82, 79, 77, 69, 79, 58}; /* "ROMEO:" */
 #define N_PROMPT (sizeof PROMPT / sizeof PROMPT[0])
 
-static tl_model *open_model(uint32_t max_seq_len) {
+static tl_model *open_path(const char *path, uint32_t max_seq_len) {
     tl_model_params mp;
     tl_model_default_params(&mp);
     mp.max_seq_len = max_seq_len;
     mp.device = "cpu";
     mp.log = false;
     tl_model *m = NULL;
-    if (tl_model_open(model_path, &mp, &m) != TL_OK) {
-        fprintf(stderr, "cannot open %s: %s\n", model_path, tl_last_error_message());
+    if (tl_model_open(path, &mp, &m) != TL_OK) {
+        fprintf(stderr, "cannot open %s: %s\n", path, tl_last_error_message());
         exit(2);
     }
     return m;
 }
+
+static tl_model *open_model(uint32_t max_seq_len) { return open_path(model_path, max_seq_len); }
 
 static tl_generate_params gen_params(uint32_t max_tokens) {
     tl_generate_params gp;
@@ -1337,12 +1342,219 @@ static void test_basics(void) {
     tl_model_free(m);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Text in, text out: the tokenizer fixture's model (byte-level BPE, 384 tokens, ChatML).     */
+
+static const int32_t HELLO_IDS[] = {381, 39, 68, 272, 78, 11, 262, 273, 311, 0}; /* "Hello, world!" */
+#define N_HELLO (sizeof HELLO_IDS / sizeof HELLO_IDS[0])
+static const char NOT_UTF8[] = {'a', (char)0xC3, 0};
+
+struct pieces {
+    char text[4096];
+    size_t len, calls, stop_after;
+};
+
+static bool collect_piece(const char *piece, size_t len, void *user_data) {
+    struct pieces *p = user_data;
+    if (p->len + len < sizeof p->text) {
+        memcpy(p->text + p->len, piece, len);
+        p->len += len;
+        p->text[p->len] = 0;
+    }
+    p->calls++;
+    return p->stop_after == 0 || p->calls < p->stop_after;
+}
+
+static void test_text_tokens(tl_model *m, tl_model *bytes) {
+    int32_t ids[64];
+    size_t n = 0;
+    EXPECT(tl_tokenize(m, "Hello, world!", true, ids, 64, &n), TL_OK, "tl_tokenize");
+    CHECK(n == N_HELLO && memcmp(ids, HELLO_IDS, sizeof HELLO_IDS) == 0,
+          "  ... the ids of the Python tokenizers package, BOS first");
+    EXPECT(tl_tokenize(m, "Hello, world!", false, ids, 64, &n), TL_OK, "tl_tokenize without special tokens");
+    CHECK(n == N_HELLO - 1 && ids[0] == HELLO_IDS[1], "  ... no BOS");
+    n = 0;
+    EXPECT(tl_tokenize(m, "Hello, world!", true, NULL, 0, &n), TL_ERR_BUFFER_TOO_SMALL, "tl_tokenize size query");
+    CHECK(n == N_HELLO, "  ... *len = the token count");
+    EXPECT(tl_tokenize(m, "Hello, world!", true, ids, 3, &n), TL_ERR_BUFFER_TOO_SMALL, "tl_tokenize cap < token count");
+    EXPECT(tl_tokenize(NULL, "x", true, ids, 64, &n), TL_ERR_INVALID_ARGUMENT, "tl_tokenize model NULL");
+    EXPECT(tl_tokenize(m, NULL, true, ids, 64, &n), TL_ERR_INVALID_ARGUMENT, "tl_tokenize text NULL");
+    EXPECT(tl_tokenize(m, "x", true, ids, 64, NULL), TL_ERR_INVALID_ARGUMENT, "tl_tokenize len NULL");
+    EXPECT(tl_tokenize(m, NOT_UTF8, true, ids, 64, &n), TL_ERR_INVALID_ARGUMENT, "tl_tokenize text not UTF-8");
+    CHECK(strstr(tl_last_error_message(), "text is not valid UTF-8") != NULL, "  ... message says so");
+    EXPECT(tl_tokenize(bytes, "\xc3\xa9", true, ids, 64, &n), TL_OK, "tl_tokenize byte-level model");
+    CHECK(n == 2 && ids[0] == 0xC3 && ids[1] == 0xA9, "  ... the bytes");
+
+    char text[256];
+    EXPECT(tl_detokenize(m, HELLO_IDS, N_HELLO, true, text, sizeof text, &n), TL_OK, "tl_detokenize");
+    CHECK(n == 14 && strcmp(text, "Hello, world!") == 0, "  ... text, *len = bytes + NUL");
+    EXPECT(tl_detokenize(m, HELLO_IDS, N_HELLO, false, text, sizeof text, &n), TL_OK, "tl_detokenize special tokens kept");
+    CHECK(strcmp(text, "<|endoftext|>Hello, world!") == 0, "  ... <|endoftext|> kept");
+    strcpy(text, "untouched");
+    EXPECT(tl_detokenize(m, HELLO_IDS, N_HELLO, true, text, 5, &n), TL_ERR_BUFFER_TOO_SMALL, "tl_detokenize cap < text");
+    CHECK(n == 14 && strcmp(text, "untouched") == 0, "  ... *len = needed size, out untouched");
+    const int32_t outside[] = {1, 384}, negative[] = {-1};
+    EXPECT(tl_detokenize(m, outside, 2, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT, "tl_detokenize token == vocab_size");
+    EXPECT(tl_detokenize(m, negative, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT, "tl_detokenize negative token");
+    EXPECT(tl_detokenize(m, NULL, 2, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT, "tl_detokenize tokens NULL");
+    const int32_t cut[] = {0xF0, 0x9F};
+    EXPECT(tl_detokenize(bytes, cut, 2, true, text, sizeof text, &n), TL_OK, "tl_detokenize a cut-off character");
+    CHECK(strcmp(text, "\xef\xbf\xbd") == 0, "  ... U+FFFD");
+
+    int32_t id = -7;
+    EXPECT(tl_special_token(m, "<|im_end|>", &id), TL_OK, "tl_special_token");
+    CHECK(id == 383, "  ... <|im_end|> is 383");
+    id = -7;
+    EXPECT(tl_special_token(m, "<|tool|>", &id), TL_ERR_INVALID_ARGUMENT, "tl_special_token unknown special token");
+    CHECK(id == -7 && strstr(tl_last_error_message(), "unknown special token \"<|tool|>\"") != NULL,
+          "  ... named, *out_token unwritten");
+    EXPECT(tl_special_token(m, "<|im_end|>", NULL), TL_ERR_INVALID_ARGUMENT, "tl_special_token out_token NULL");
+    EXPECT(tl_special_token(bytes, "<s>", &id), TL_ERR_INVALID_ARGUMENT, "tl_special_token byte-level model");
+}
+
+static void test_chat_template(tl_model *m, tl_model *bytes) {
+    tl_chat_message user[] = {{"user", "Hello, who are you?"}};
+    char text[512];
+    size_t n = 0;
+    EXPECT(tl_apply_chat_template(m, user, 1, true, text, sizeof text, &n), TL_OK, "tl_apply_chat_template");
+    const char *want = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                       "<|im_start|>user\nHello, who are you?<|im_end|>\n<|im_start|>assistant\n";
+    CHECK(strcmp(text, want) == 0 && n == strlen(want) + 1, "  ... as jinja2 renders it");
+    EXPECT(tl_apply_chat_template(m, user, 1, true, NULL, 0, &n), TL_ERR_BUFFER_TOO_SMALL, "tl_apply_chat_template size query");
+    CHECK(n == strlen(want) + 1, "  ... *len = needed size");
+    EXPECT(tl_apply_chat_template(bytes, user, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_apply_chat_template byte-level model");
+    CHECK(strstr(tl_last_error_message(), "no chat template") != NULL, "  ... message says why");
+    tl_chat_message tool[] = {{"tool", "42"}};
+    EXPECT(tl_apply_chat_template(m, tool, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_apply_chat_template role the template refuses");
+    CHECK(strstr(tl_last_error_message(), "unknown role: tool") != NULL, "  ... the template's message");
+    tl_chat_message bad[] = {{"user", NOT_UTF8}}, null_role[] = {{NULL, "x"}};
+    EXPECT(tl_apply_chat_template(m, bad, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_apply_chat_template content not UTF-8");
+    EXPECT(tl_apply_chat_template(m, null_role, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_apply_chat_template role NULL");
+    EXPECT(tl_apply_chat_template(m, NULL, 1, true, text, sizeof text, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_apply_chat_template messages NULL");
+}
+
+static void test_generate_text(tl_model *m, tl_session *s) {
+    tl_generate_params gp = gen_params(16);
+    gp.loops = 2;
+    size_t need = 0, n = 0;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, NULL, NULL, 0, &need), TL_ERR_BUFFER_TOO_SMALL,
+           "tl_generate_text size query");
+    CHECK(need > 16, "  ... *len = max_tokens * bytes per token + 1");
+    char *text = malloc(need), *again = malloc(need);
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, NULL, text, need - 1, &n), TL_ERR_BUFFER_TOO_SMALL,
+           "tl_generate_text cap below the bound");
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, NULL, text, need, &n), TL_OK, "tl_generate_text");
+    CHECK(n == strlen(text) + 1, "  ... *len = bytes + NUL");
+
+    /* The same as generating from the prompt's tokens with the EOS ids as stop tokens. */
+    int32_t prompt[64], tokens[16], eos[] = {383, 381};
+    size_t n_prompt = 0, n_tokens = 0;
+    tl_tokenize(m, "ROMEO:", true, prompt, 64, &n_prompt);
+    tl_generate_params by_ids = gp;
+    by_ids.stop_tokens = eos;
+    by_ids.n_stop_tokens = 2;
+    EXPECT(tl_generate(m, prompt, n_prompt, &by_ids, tokens, 16, &n_tokens), TL_OK, "tl_generate of its tokens");
+    tl_detokenize(m, tokens, n_tokens, true, again, need, &n);
+    CHECK(strcmp(text, again) == 0, "  ... tl_generate_text = tl_detokenize(tl_generate)");
+    EXPECT(tl_session_generate_text(s, "ROMEO:", &gp, NULL, again, need, &n), TL_OK, "tl_session_generate_text");
+    CHECK(strcmp(text, again) == 0, "  ... same text");
+    tl_speculative_params spec;
+    tl_speculative_default_params(&spec);
+    spec.draft_loops = 1;
+    EXPECT(tl_generate_text_speculative(m, "ROMEO:", &gp, &spec, NULL, again, need, &n), TL_OK,
+           "tl_generate_text_speculative");
+    CHECK(strcmp(text, again) == 0, "  ... greedy: the same text");
+
+    struct pieces p = {0};
+    EXPECT(tl_generate_text_stream(m, "ROMEO:", &gp, NULL, collect_piece, &p), TL_OK, "tl_generate_text_stream");
+    CHECK(strcmp(p.text, text) == 0 && p.calls > 0, "  ... the pieces make up the text");
+    struct pieces first = {.stop_after = 1};
+    EXPECT(tl_session_generate_text_stream(s, "ROMEO:", &gp, NULL, collect_piece, &first), TL_OK,
+           "tl_session_generate_text_stream, callback returns false");
+    CHECK(first.calls == 1, "  ... generation ends (TL_OK)");
+
+    /* A stop string from the middle of the text. */
+    tl_text_params tp;
+    tl_text_default_params(&tp);
+    char stop[8] = {0};
+    size_t at = strlen(text) / 2;
+    while (at > 0 && ((unsigned char)text[at] & 0xC0) == 0x80) at--;
+    unsigned char lead = (unsigned char)text[at];
+    memcpy(stop, text + at, lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2); /* one character */
+    const char *stops[] = {"never there", stop};
+    tp.stop = stops;
+    tp.n_stop = 2;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, &tp, again, need, &n), TL_OK, "tl_generate_text with stop strings");
+    CHECK(strlen(again) == (size_t)(strstr(text, stop) - text) && strncmp(again, text, strlen(again)) == 0,
+          "  ... the text ends before the stop string");
+
+    const char *empty[] = {""};
+    tp.stop = empty;
+    tp.n_stop = 1;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, &tp, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_text_params empty stop string");
+    tp.stop = NULL;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, &tp, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_text_params.stop NULL with n_stop 1");
+    const char *bad[] = {NOT_UTF8};
+    tp.stop = bad;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, &tp, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_text_params stop string not UTF-8");
+    tl_text_default_params(&tp);
+    tp.struct_size = 4;
+    EXPECT(tl_generate_text(m, "ROMEO:", &gp, &tp, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_text_params.struct_size too small");
+    EXPECT(tl_text_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_text_default_params(NULL)");
+    EXPECT(tl_generate_text(m, NOT_UTF8, &gp, NULL, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_generate_text prompt not UTF-8");
+    EXPECT(tl_generate_text(m, NULL, &gp, NULL, again, need, &n), TL_ERR_INVALID_ARGUMENT, "tl_generate_text prompt NULL");
+    EXPECT(tl_generate_text_stream(m, "ROMEO:", &gp, NULL, NULL, NULL), TL_ERR_INVALID_ARGUMENT, "tl_generate_text_stream callback NULL");
+    tl_prefix_cache *cache = NULL;
+    tl_prefix_cache_new(m, HELLO_IDS, N_HELLO, 2, &cache);
+    tl_generate_params with_cache = gp;
+    with_cache.prefix_cache = cache;
+    EXPECT(tl_generate_text(m, "ROMEO:", &with_cache, NULL, again, need, &n), TL_ERR_INVALID_ARGUMENT,
+           "tl_generate_text with a prefix cache");
+    tl_prefix_cache_free(cache);
+    free(text);
+    free(again);
+}
+
+static void test_score_text(tl_model *m) {
+    float lp[64], want[64];
+    size_t n = 0, n_want = 0;
+    EXPECT(tl_score_text(m, "Hello, world!", 2, NULL, 0, &n), TL_ERR_BUFFER_TOO_SMALL, "tl_score_text size query");
+    CHECK(n == N_HELLO - 1, "  ... *len = tokens - 1");
+    EXPECT(tl_score_text(m, "Hello, world!", 2, lp, 64, &n), TL_OK, "tl_score_text");
+    tl_logprobs(m, HELLO_IDS, N_HELLO, 2, want, 64, &n_want);
+    CHECK(n == n_want && memcmp(lp, want, n * sizeof *lp) == 0, "  ... = tl_logprobs of its tokens");
+    EXPECT(tl_score_text(m, "", 2, lp, 64, &n), TL_ERR_INVALID_ARGUMENT, "tl_score_text text of 1 token");
+    EXPECT(tl_score_text(m, NOT_UTF8, 2, lp, 64, &n), TL_ERR_INVALID_ARGUMENT, "tl_score_text text not UTF-8");
+}
+
+static void test_text(void) {
+    CHECK(text_model_path != NULL && *text_model_path != 0,
+          "a text model (argument 2 or TINYLOOP_TEST_TEXT_MODEL)");
+    if (text_model_path == NULL || *text_model_path == 0) return;
+    tl_model *m = open_path(text_model_path, 256), *bytes = open_model(256);
+    tl_session *s = NULL;
+    tl_session_new(m, &s);
+    test_text_tokens(m, bytes);
+    test_chat_template(m, bytes);
+    test_generate_text(m, s);
+    test_score_text(m);
+    tl_session_free(s);
+    tl_model_free(bytes);
+    tl_model_free(m);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s MODEL.tinyloop (byte vocabulary)\n", argv[0]);
+        fprintf(stderr, "usage: %s MODEL.tinyloop (byte vocabulary) [TEXT_MODEL.tinyloop]\n", argv[0]);
         return 2;
     }
     model_path = argv[1];
+    text_model_path = argc > 2 ? argv[2] : getenv("TINYLOOP_TEST_TEXT_MODEL");
     test_basics();
     tl_model *m = open_model(256);
     test_null_arguments(m);
@@ -1357,6 +1569,7 @@ int main(int argc, char **argv) {
     test_close_liveness();
     test_concurrent_sessions();
     test_looped();
+    test_text();
     printf("abi_test: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

@@ -38,6 +38,33 @@ pub fn synth_with_max_position(max_position: usize) -> PathBuf {
     path
 }
 
+/// The tokenizer fixture (tests/data/tokenizer: a byte-level BPE of 384 tokens with a ChatML
+/// template).
+pub fn tokenizer_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer")
+}
+
+/// The `tiny` preset (seed 1, INT4) with a vocabulary of 384 tokens and the tokenizer fixture
+/// in its metadata, as a converted checkpoint carries it; returns its path.
+pub fn synth_with_tokenizer() -> PathBuf {
+    let path = scratch("models").join("tiny-tokenizer.tinyloop");
+    if !path.exists() {
+        let metadata = tinyloop::tokenizer::metadata_from_dir(&tokenizer_dir()).unwrap();
+        let config = tinyloop::ModelConfig {
+            vocab_size: tinyloop::tokenizer::vocab_size(&metadata).unwrap(),
+            ..preset("tiny").unwrap()
+        };
+        let mut writer = random_model(&config, 1, 4, 32).unwrap();
+        for (key, value) in metadata {
+            writer.set_metadata(&key, value);
+        }
+        let tmp = path.with_extension(format!("tmp{:?}", std::thread::current().id()));
+        writer.write(&tmp).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+    path
+}
+
 /// Random weights for `config` at `path`, unless a test wrote them already (written under a
 /// temporary name first, so a concurrent test never maps a half-written file).
 fn write_once(path: &std::path::Path, config: &tinyloop::ModelConfig, seed: u64, bits: u32) {

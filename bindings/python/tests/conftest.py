@@ -52,3 +52,35 @@ def model(model_path):
 
 
 PROMPT = [82, 79, 77, 69, 79, 58]  # "ROMEO:"
+
+
+@pytest.fixture(scope="session")
+def text_model_path(tmp_path_factory):
+    """A model with a stored Hugging Face tokenizer (the repository's tests/data/tokenizer:
+    byte-level BPE, 384 tokens, ChatML template): TINYLOOP_TEST_TEXT_MODEL, or synthesized by
+    the CLI from the repository it was built in."""
+    explicit = os.environ.get("TINYLOOP_TEST_TEXT_MODEL")
+    if explicit:
+        return explicit
+    cli = _find_cli()
+    if cli is None:
+        pytest.fail("no tinyloop CLI to synthesize a test model; set TINYLOOP_TEST_TEXT_MODEL")
+    # target/<profile>/tinyloop in a checkout.
+    tokenizer = Path(cli).resolve().parents[2] / "tests" / "data" / "tokenizer"
+    path = tmp_path_factory.mktemp("models") / "tiny-text.tinyloop"
+    subprocess.run(
+        [cli, "synth", "--preset", "tiny", "--seed", "1", "--tokenizer", str(tokenizer),
+         "--out", str(path)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return str(path)
+
+
+@pytest.fixture
+def text_model(text_model_path):
+    import tinyloop_py
+
+    m = tinyloop_py.Model(text_model_path, max_seq_len=256, device="cpu", log=False)
+    yield m
+    m.close()

@@ -10,6 +10,11 @@ from :meth:`Model.new_session`; sessions share the model's weights. Every call r
 while it runs. Every ``loops`` keyword is also accepted as ``n_loops`` (and, in
 :meth:`Model.generate_speculative` and :meth:`Model.generate_speculative_no_cache`, as
 ``verify_loops``).
+
+Models that carry a tokenizer (a Hugging Face tokenizer stored in the file, or byte-level) also
+take and give text: :meth:`Model.tokenize`, :meth:`Model.detokenize`,
+:meth:`Model.apply_chat_template`, ``generate(text=...)`` (a str),
+``generate_stream(text=...)`` (str pieces) and :meth:`Model.score_text`.
 """
 
 from __future__ import annotations
@@ -159,6 +164,17 @@ def _tokens(tokens: Tokens, name: str = "tokens") -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _utf8(text: Any, name: str) -> bytes:
+    """A str argument as the NUL-terminated UTF-8 the C ABI reads."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
+    if "\0" in text:
+        raise InvalidArgumentError(
+            f"{name} contains a NUL character", _c.TL_ERR_INVALID_ARGUMENT
+        )
+    return text.encode("utf-8")
+
+
 def _ptr(arr: np.ndarray, kind=_I32P):
     return arr.ctypes.data_as(kind)
 
@@ -288,7 +304,10 @@ class _Call:
             # `random.seed(...)` makes sampled output reproducible.
             seed = random.getrandbits(64) if p.temperature != 0.0 else 0
         p.seed = _int(seed, "seed", 0, 2**64 - 1)
-        self.stop = _tokens([] if stop is None else list(stop), "stop")
+        stop = [] if stop is None else list(stop)
+        #: Stop strings (text calls only); the ints of ``stop`` are stop tokens.
+        self.stop_strings = [s for s in stop if isinstance(s, str)]
+        self.stop = _tokens([s for s in stop if not isinstance(s, str)], "stop")
         if self.stop.size:
             p.stop_tokens = _ptr(self.stop)
             p.n_stop_tokens = self.stop.size
@@ -307,6 +326,30 @@ class _Call:
 
     def args(self):
         return (_ptr(self.tokens), self.tokens.size, ctypes.byref(self.params))
+
+    def text_args(self, text: str, add_special_tokens: bool, skip_special_tokens: bool):
+        """The arguments of a text call after the handle: prompt, params, text params."""
+        self.prompt = _utf8(text, "text")
+        t = _c.TextParams()
+        _check(_dll.tl_text_default_params(ctypes.byref(t)), "generate")
+        self.stop_array = (ctypes.c_char_p * max(len(self.stop_strings), 1))(
+            *[_utf8(s, "stop string") for s in self.stop_strings]
+        )
+        t.stop = ctypes.cast(self.stop_array, ctypes.POINTER(ctypes.c_char_p))
+        t.n_stop = len(self.stop_strings)
+        t.add_special_tokens = bool(add_special_tokens)
+        t.skip_special_tokens = bool(skip_special_tokens)
+        self.text_params = t
+        return (self.prompt, ctypes.byref(self.params), ctypes.byref(t))
+
+    def check_tokens(self, tokens: Any) -> None:
+        """A call on tokens: they are given, and ``stop`` holds no strings."""
+        if tokens is None:
+            raise TypeError("pass the prompt as tokens, or as text=")
+        if self.stop_strings:
+            raise InvalidArgumentError(
+                "stop strings work on text: pass the prompt as text=", _c.TL_ERR_INVALID_ARGUMENT
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,18 +481,21 @@ class _Runner:
     @_loops_also_as("n_loops")
     def generate(
         self,
-        tokens: Tokens,
+        tokens: Optional[Tokens] = None,
         max_tokens: int = 128,
         loops: Optional[int] = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
         seed: Optional[int] = None,
-        stop: Optional[Iterable[int]] = None,
+        stop: Optional[Iterable[Union[int, str]]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
-    ) -> np.ndarray:
+        text: Optional[str] = None,
+        add_special_tokens: bool = True,
+        skip_special_tokens: bool = True,
+    ) -> Union[np.ndarray, str]:
         """Generate up to ``max_tokens`` tokens after ``tokens``; returns only the new tokens
         (np.int32), without the stop token that ended generation, if any. With
         ``prefix_cache`` (from :meth:`Model.build_prefix_cache`, at the same loops) the tokens
@@ -457,11 +503,29 @@ class _Runner:
         ``ctx_tier`` (a :class:`CtxTier` or a dict of its fields) the loop body runs at INT2
         once the sequence is long (CTX-TIER; every generation call takes it). With
         ``beta_monitor`` (True, or a dict of thresholds) the call's BETA-MON summary is
-        ``last_generate_stats()["beta_mon"]``."""
+        ``last_generate_stats()["beta_mon"]``.
+
+        ``text=`` instead of ``tokens``: the prompt as a str, tokenized by the model's
+        tokenizer (with its special tokens unless ``add_special_tokens`` is False, as for a
+        prompt from :meth:`Model.apply_chat_template`); returns the generated text (a str,
+        special tokens left out unless ``skip_special_tokens`` is False). Generation then also
+        ends at the tokenizer's end-of-sequence tokens and at the str entries of ``stop``
+        (stop strings: the text ends before the first one found); int entries stay stop tokens."""
         call = _Call(
-            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
-            ctx_tier, beta_monitor,
+            () if text is not None or tokens is None else tokens, max_tokens, loops, temperature,
+            top_k, top_p,
+            seed, stop, prefix_cache, ctx_tier, beta_monitor,
         )
+        if text is not None:
+            if tokens is not None:
+                raise TypeError("generate() takes tokens or text=, not both")
+            args = call.text_args(text, add_special_tokens, skip_special_tokens)
+            size = self._required("generate_text", *args)
+            buf = ctypes.create_string_buffer(size)
+            n = ctypes.c_size_t(0)
+            self._looped("generate_text", *args, buf, size, ctypes.byref(n))
+            return buf.raw[: n.value - 1].decode("utf-8")
+        call.check_tokens(tokens)
         out = np.empty(max(call.params.max_tokens, 1), dtype=np.int32)
         n = ctypes.c_size_t(0)
         self._run(
@@ -473,31 +537,47 @@ class _Runner:
     @_loops_also_as("n_loops")
     def generate_stream(
         self,
-        tokens: Tokens,
+        tokens: Optional[Tokens] = None,
         max_tokens: int = 128,
         loops: Optional[int] = None,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
         seed: Optional[int] = None,
-        stop: Optional[Iterable[int]] = None,
+        stop: Optional[Iterable[Union[int, str]]] = None,
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
-    ) -> Iterator[int]:
-        """Like :meth:`generate`, yielding each token (an int) as soon as it exists. Arguments
-        are checked now; generation starts at the first ``next()``. Leaving the loop early
-        stops generation after at most one more token."""
+        text: Optional[str] = None,
+        add_special_tokens: bool = True,
+        skip_special_tokens: bool = True,
+    ) -> Iterator[Union[int, str]]:
+        """Like :meth:`generate`, yielding each token (an int) as soon as it exists; with
+        ``text=``, each piece of generated text (a str of whole characters, never part of a
+        stop string). Arguments are checked now; generation starts at the first ``next()``.
+        Leaving the loop early stops generation after at most one more token."""
         call = _Call(
-            tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop, prefix_cache,
-            ctx_tier, beta_monitor,
+            () if text is not None or tokens is None else tokens, max_tokens, loops, temperature,
+            top_k, top_p,
+            seed, stop, prefix_cache, ctx_tier, beta_monitor,
         )
         h = self._handle("generate_stream")
         if h.closed:
             raise _closed("generate_stream", self._what)
-        return self._stream(h, call)
+        if text is not None:
+            if tokens is not None:
+                raise TypeError("generate_stream() takes tokens or text=, not both")
+            args = call.text_args(text, add_special_tokens, skip_special_tokens)
+            fn = getattr(_dll, self._prefix + "generate_text_stream")
+            piece = lambda ptr, n: ctypes.string_at(ptr, n).decode("utf-8")  # noqa: E731
+            return self._stream(h, call, fn, args, _c.TEXT_CALLBACK, piece)
+        call.check_tokens(tokens)
+        fn = getattr(_dll, self._fn["generate_stream"])
+        return self._stream(h, call, fn, call.args(), _c.TOKEN_CALLBACK, int)
 
-    def _stream(self, h: _Handle, call: _Call) -> Iterator[int]:
+    def _stream(self, h: _Handle, call: _Call, fn, args, callback_type, to_item) -> Iterator[Any]:
+        """Run the stream function ``fn(handle, *args, callback, NULL)`` in a thread, yielding
+        ``to_item(*callback arguments but user_data)`` for each callback."""
         ptr = h.acquire("generate_stream")
         # A one-slot queue: generation runs at most a token or two ahead of the consumer and
         # holds the session until the consumer is done (or leaves the loop).
@@ -515,15 +595,14 @@ class _Runner:
                     pass
             return False
 
-        def on_token(token: int, _user_data) -> bool:
-            return hand_over(int(token))
+        def on_item(*values) -> bool:
+            return hand_over(to_item(*values[:-1]))
 
-        callback = _c.TOKEN_CALLBACK(on_token)
-        fn = getattr(_dll, self._fn["generate_stream"])
+        callback = callback_type(on_item)
 
         def worker() -> None:
             try:
-                status = fn(ptr, *call.args(), callback, None)
+                status = fn(ptr, *args, callback, None)
                 if h.closing.is_set():
                     raise ClosedError(
                         f"generate_stream() interrupted: the {self._what} was closed",
@@ -599,6 +678,18 @@ class _Runner:
             "logprobs", "logprobs_decode" if decode_path else "logprobs", _ptr(arr), arr.size,
             _loops(loops), _ptr(out, _F32P), out.size, ctypes.byref(n),
         )
+        return out[: n.value]
+
+    @_loops_also_as("n_loops")
+    def score_text(self, text: str, loops: Optional[int] = None) -> np.ndarray:
+        """``log p(token[i+1] | tokens[:i+1])`` (np.float32) for the tokens of ``text`` under
+        the model's tokenizer, with its special tokens (a BOS makes the first text token scored
+        too): one value per token after the first."""
+        args = (_utf8(text, "text"), _loops(loops))
+        n_out = self._required("score_text", *args)
+        out = np.empty(max(n_out, 1), dtype=np.float32)
+        n = ctypes.c_size_t(0)
+        self._looped("score_text", *args, _ptr(out, _F32P), out.size, ctypes.byref(n))
         return out[: n.value]
 
     # ---- looped-model calls (tl_* on a model, tl_session_* on a session) -----------------
@@ -918,6 +1009,81 @@ class Model(_Runner):
         buf = ctypes.create_string_buffer(256)
         self._run_model(method, fn, buf, ctypes.sizeof(buf), ctypes.byref(n))
         return buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """The token ids (np.int32) of ``text`` under the model's tokenizer; with
+        ``add_special_tokens``, those the tokenizer adds around a text (its BOS, ...). Special
+        tokens written in the text ("<|im_start|>") are recognized either way."""
+        args = (_utf8(text, "text"), bool(add_special_tokens))
+        n = ctypes.c_size_t(0)
+        out = np.empty(len(args[0]) + 8, dtype=np.int32)
+        status = self._call_model("tokenize", _dll.tl_tokenize, *args, _ptr(out), out.size,
+                                  ctypes.byref(n))
+        if status == _c.TL_ERR_BUFFER_TOO_SMALL:
+            out = np.empty(n.value, dtype=np.int32)
+            self._run_model("tokenize", _dll.tl_tokenize, *args, _ptr(out), out.size,
+                            ctypes.byref(n))
+        return out[: n.value].copy()
+
+    def detokenize(self, tokens: Tokens, skip_special_tokens: bool = False) -> str:
+        """The text of ``tokens`` under the model's tokenizer (special tokens left out with
+        ``skip_special_tokens``); bytes that do not form UTF-8 become U+FFFD."""
+        arr = _tokens(tokens)
+        return self._model_str(
+            "detokenize", _dll.tl_detokenize, _ptr(arr), arr.size, bool(skip_special_tokens)
+        )
+
+    def special_token(self, text: str) -> int:
+        """The id of the special token written ``text`` (e.g. "<|im_end|>");
+        :class:`InvalidArgumentError` names an unknown one."""
+        out = ctypes.c_int32(0)
+        self._run_model("special_token", _dll.tl_special_token, _utf8(text, "text"),
+                        ctypes.byref(out))
+        return int(out.value)
+
+    def apply_chat_template(
+        self, messages: Iterable[Dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """``messages`` (dicts with "role" and "content") rendered by the model's chat
+        template; with ``add_generation_prompt``, followed by the start of the assistant's
+        reply. Generate from it with ``generate(text=..., add_special_tokens=False)``."""
+        encoded = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or set(message) != {"role", "content"}:
+                raise TypeError(
+                    f"messages[{i}] must be a dict with exactly 'role' and 'content', got {message!r}"
+                )
+            encoded.append(
+                (_utf8(message["role"], f"messages[{i}]['role']"),
+                 _utf8(message["content"], f"messages[{i}]['content']"))
+            )
+        array = (_c.ChatMessage * max(len(encoded), 1))(*[_c.ChatMessage(r, c) for r, c in encoded])
+        return self._model_str(
+            "apply_chat_template", _dll.tl_apply_chat_template, array, len(encoded),
+            bool(add_generation_prompt),
+        )
+
+    def _call_model(self, method: str, fn, *args) -> int:
+        """Call ``fn`` on the model handle; returns the status (TL_ERR_BUFFER_TOO_SMALL is not
+        raised, other failures are)."""
+        h = self._handle(method)
+        ptr = h.acquire(method)
+        try:
+            status = fn(ptr, *args)
+            if status != _c.TL_ERR_BUFFER_TOO_SMALL:
+                _check(status, method)
+            return status
+        finally:
+            h.release()
+
+    def _model_str(self, method: str, fn, *args) -> str:
+        """The NUL-terminated UTF-8 text a model function writes to (out, cap, len): a size
+        query, then the call."""
+        n = ctypes.c_size_t(0)
+        self._call_model(method, fn, *args, None, 0, ctypes.byref(n))
+        buf = ctypes.create_string_buffer(n.value)
+        self._run_model(method, fn, *args, buf, n.value, ctypes.byref(n))
+        return buf.raw[: n.value - 1].decode("utf-8")
 
     def new_session(self) -> "Session":
         """A new session (own buffers and KV cache) over this model's weights; use one per

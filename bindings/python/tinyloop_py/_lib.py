@@ -165,8 +165,24 @@ class Config(ctypes.Structure):
     ]
 
 
+class TextParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("stop", ctypes.POINTER(ctypes.c_char_p)),
+        ("n_stop", ctypes.c_size_t),
+        ("add_special_tokens", ctypes.c_bool),
+        ("skip_special_tokens", ctypes.c_bool),
+    ]
+
+
+class ChatMessage(ctypes.Structure):
+    _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
+
+
 #: tl_token_callback: bool (*)(int32_t token, void *user_data)
 TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int32, ctypes.c_void_p)
+#: tl_text_callback: bool (*)(const char *piece, size_t len, void *user_data)
+TEXT_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 _status = ctypes.c_int
 _p = ctypes.c_void_p
@@ -180,6 +196,8 @@ _specp = ctypes.POINTER(SpeculativeParams)
 _pointp = ctypes.POINTER(TrajectoryPoint)
 _statsp = ctypes.POINTER(GenerateStats)
 _dblp = ctypes.POINTER(ctypes.c_double)
+_textp = ctypes.POINTER(TextParams)
+_charp = ctypes.c_char_p
 
 _SIGNATURES = {
     "tl_abi_version": (ctypes.c_uint32, []),
@@ -230,7 +248,24 @@ _SIGNATURES = {
     "tl_prefix_cache_memory_mb": (_status, [_p, _dblp]),
     "tl_resume_handle_free": (None, [_p]),
     "tl_resume_handle_memory_mb": (_status, [_p, _dblp]),
+    "tl_text_default_params": (_status, [_textp]),
+    "tl_tokenize": (_status, [_p, _charp, ctypes.c_bool, _i32p, _size, _sizep]),
+    "tl_detokenize": (_status, [_p, _i32p, _size, ctypes.c_bool, _p, _size, _sizep]),
+    "tl_special_token": (_status, [_p, _charp, _i32p]),
+    "tl_apply_chat_template": (
+        _status, [_p, ctypes.POINTER(ChatMessage), _size, ctypes.c_bool, _p, _size, _sizep]
+    ),
 }
+
+# The text calls, each in a model form (tl_*) and a session form (tl_session_*).
+_TEXT = {
+    "generate_text": (_status, [_charp, _genp, _textp, _p, _size, _sizep]),
+    "generate_text_stream": (_status, [_charp, _genp, _textp, TEXT_CALLBACK, _p]),
+    "score_text": (_status, [_charp, ctypes.c_int32, _f32p, _size, _sizep]),
+}
+for _name, (_restype, _args) in _TEXT.items():
+    _SIGNATURES["tl_" + _name] = (_restype, [_p, *_args])
+    _SIGNATURES["tl_session_" + _name] = (_restype, [_p, *_args])
 
 # The looped-model calls, each in a model form (tl_*) and a session form (tl_session_*) with the
 # same arguments after the handle.
