@@ -979,7 +979,13 @@ fn info(path: &PathBuf, json: bool) -> Result<()> {
     }
     println!("  file size         {:.2} MB", file.file_len() as f64 / 1e6);
     for (key, value) in &file.metadata {
-        println!("  metadata.{key} = {value}");
+        // A stored tokenizer is megabytes of JSON: long values are summarized (--json has them).
+        let text = value.to_string();
+        if text.len() > 160 {
+            println!("  metadata.{key} = <{} bytes of JSON>", text.len());
+        } else {
+            println!("  metadata.{key} = {text}");
+        }
     }
     Ok(())
 }
