@@ -62,7 +62,13 @@ fn plain_config() -> ModelConfig {
 /// `.tinyloop` seeds.
 pub fn tinyloop_files() -> Vec<Vec<u8>> {
     let mut out = Vec::new();
-    for name in ["tiny", "tiny-gqa", "tiny-tied", "tiny-sandwich", "tiny-recurrent"] {
+    for name in [
+        "tiny",
+        "tiny-gqa",
+        "tiny-tied",
+        "tiny-sandwich",
+        "tiny-recurrent",
+    ] {
         let config = preset(name).expect("preset exists");
         for bits in [4, 2] {
             out.push(model(&config, bits, 32));

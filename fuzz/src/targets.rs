@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use tinyloop::convert::Checkpoint;
-use tinyloop::{Device, Error, GenerateParams, Model, ModelFile, ModelOptions};
+use tinyloop::{Device, Error, GenerateParams, Model, ModelFile, ModelOptions, StateInit};
 
 use crate::seeds::small_config;
 use crate::Outcome;
@@ -45,6 +45,7 @@ pub fn open_decode(bytes: &[u8]) -> Result<Outcome, String> {
         kv_mode: None,
         log: false,
         fp16_body: None,
+        state_init: StateInit::Model,
     };
     let opened = Model::open(&path, &options);
     std::fs::remove_file(&path).ok(); // an open model keeps its mapping
