@@ -51,6 +51,13 @@ namespace detail {
 inline void check(tl_status status) {
     if (status != TL_OK) throw Error(status, tl_last_error_message());
 }
+
+/// `s` as a C string; a NUL byte inside it, which C would cut the string at, throws.
+inline const char* c_str(const std::string& s, const char* what) {
+    if (s.find('\0') != std::string::npos)
+        throw Error(TL_ERR_INVALID_ARGUMENT, std::string(what) + " contains a NUL byte");
+    return s.c_str();
+}
 }  // namespace detail
 
 /// Throws unless the loaded library implements the ABI this header was written for.
@@ -181,6 +188,9 @@ struct ModelOptions {
     /// GPU for prefill GEMMs through cuBLAS, 0 does not, -1 follows
     /// TINYLOOP_EXPERIMENTAL_FP16_BODY.
     int32_t fp16_body;
+    /// How a model whose loop starts from a random state (Huginn) draws it: "model" (its own
+    /// rule, from seed 0; also empty), "zeros" or "seed:N". Other models accept only "model".
+    std::string state_init;
 
     ModelOptions() {
         tl_model_params p;
@@ -260,6 +270,16 @@ struct GenerateOptions {
     /// BETA-MON this call with these thresholds: its summary is then in last_generate_stats()
     /// (`beta_mon` true). Empty: monitored only when TINYLOOP_BETA_MONITOR=1.
     std::optional<BetaMonitor> beta_monitor;
+    /// Adaptive exit on a model with an exit gate (Ouro, docs/ABI.md "Adaptive exit"):
+    /// exit_threshold, in [0, 1], or exit ("gate": the model's own threshold, or "gate:T"; not
+    /// both) takes each token from the first loop iteration whose cumulative exit probability
+    /// reaches the threshold; empty: no exit rule. exit_policy "reference" (also empty: every
+    /// iteration still runs) or "skip" (generated tokens stop at their exit iteration).
+    /// generate, generate_stream, generate_text and generate_text_stream only;
+    /// last_generate_stats() then has exit_tokens and exit_mean_steps.
+    std::optional<double> exit_threshold;
+    std::string exit;
+    std::string exit_policy;
 
     GenerateOptions() {
         tl_generate_params p;
@@ -296,6 +316,18 @@ struct GenerateOptions {
             p.beta_mon_high_entropy_bits = beta_monitor->high_entropy_bits;
             p.beta_mon_agreement_floor = beta_monitor->agreement_floor;
         }
+        if (exit_threshold) {
+            // The C ABI reads a negative threshold as none; here that is an empty optional.
+            if (*exit_threshold < 0)
+                throw Error(TL_ERR_INVALID_ARGUMENT,
+                            "GenerateOptions::exit_threshold " + std::to_string(*exit_threshold) +
+                                " must lie in [0, 1] (empty: no threshold)");
+            p.exit_threshold = *exit_threshold;
+        }
+        p.exit = exit.empty() ? nullptr : detail::c_str(exit, "GenerateOptions::exit");
+        p.exit_policy = exit_policy.empty()
+                            ? nullptr
+                            : detail::c_str(exit_policy, "GenerateOptions::exit_policy");
         return p;
     }
 
@@ -324,13 +356,6 @@ struct ChatMessage {
 };
 
 namespace detail {
-/// `s` as a C string; a NUL byte inside it, which C would cut the string at, throws.
-inline const char* c_str(const std::string& s, const char* what) {
-    if (s.find('\0') != std::string::npos)
-        throw Error(TL_ERR_INVALID_ARGUMENT, std::string(what) + " contains a NUL byte");
-    return s.c_str();
-}
-
 /// TextOptions in C form; the pointers refer to the options, which must outlive it.
 struct CText {
     std::vector<const char*> stops;
@@ -577,7 +602,8 @@ public:
         return out;
     }
 
-    /// What the last successful generation call here did (tokens, times, drafts accepted).
+    /// What the last successful generation call here did (tokens, times, drafts accepted, exit
+    /// iterations).
     tl_generate_stats last_generate_stats() const {
         tl_generate_stats stats{};
         stats.struct_size = sizeof stats;
@@ -630,6 +656,7 @@ public:
         p.fp16_body = opts.fp16_body;
         p.device = opts.device.empty() ? nullptr : opts.device.c_str();
         p.kv_mode = opts.kv_mode.empty() ? nullptr : opts.kv_mode.c_str();
+        p.state_init = opts.state_init.empty() ? nullptr : opts.state_init.c_str();
         detail::check(tl_model_open(path.c_str(), &p, &ptr_));
     }
     Model(const Model&) = delete;

@@ -113,6 +113,11 @@ type GenerateStats struct {
 
 	// BetaMon is the BETA-MON summary of a monitored call; nil otherwise.
 	BetaMon *BetaMonSummary
+
+	// ExitTokens counts the tokens returned with an exit iteration (all of them in a call with
+	// an exit rule, 0 otherwise); ExitMeanSteps is their mean exit iteration (1-based).
+	ExitTokens    int
+	ExitMeanSteps float64
 }
 
 // CtxTierStats is what CTX-TIER observed in one call.
@@ -474,6 +479,7 @@ func (r *runner) LastGenerateStats() (GenerateStats, error) {
 		Tokens: int(s.tokens), PrefillMS: float64(s.prefill_ms), DecodeMS: float64(s.decode_ms),
 		Drafted: int(s.drafted), Accepted: int(s.accepted),
 		AcceptanceRate: float64(s.acceptance_rate), Agreement: float64(s.agreement),
+		ExitTokens: int(s.exit_tokens), ExitMeanSteps: float64(s.exit_mean_steps),
 	}
 	if s.ctx_tier_final != 0 {
 		stats.CtxTier = &CtxTierStats{

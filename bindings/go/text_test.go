@@ -34,12 +34,8 @@ func openText(t *testing.T) *Model {
 		if textModelPath != "" {
 			return
 		}
-		cli := os.Getenv("TINYLOOP_BIN")
-		if cli == "" {
-			cli = filepath.Join("..", "..", "target", "release", "tinyloop")
-		}
 		textModelPath = filepath.Join(os.TempDir(), "tinyloop-go-test-text.tinyloop")
-		out, err := exec.Command(cli, "synth", "--preset", "tiny", "--seed", "1", "--tokenizer",
+		out, err := exec.Command(cli(), "synth", "--preset", "tiny", "--seed", "1", "--tokenizer",
 			filepath.Join("..", "..", "tests", "data", "tokenizer"), "--out", textModelPath).CombinedOutput()
 		if err != nil {
 			textModelErr = errors.New(err.Error() + ": " + string(out))

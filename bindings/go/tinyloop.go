@@ -86,6 +86,10 @@ type Options struct {
 	// prefill GEMMs through cuBLAS (more memory; weights rounded to f16 on that path), 0 does
 	// not, -1 (the default) follows TINYLOOP_EXPERIMENTAL_FP16_BODY=1. No effect on the CPU.
 	FP16Body int
+	// StateInit is how a model whose loop starts from a random state (Huginn) draws it:
+	// "model" (its own rule, from seed 0; also ""), "zeros" or "seed:N". Other models accept
+	// only "model".
+	StateInit string
 }
 
 // DefaultOptions returns the library's defaults (tl_model_default_params).
@@ -122,6 +126,15 @@ type GenerateOptions struct {
 	// DefaultBetaMonitor()); the summary is then GenerateStats.BetaMon. nil: monitored only when
 	// the environment says so (TINYLOOP_BETA_MONITOR=1).
 	BetaMonitor *BetaMonitor
+	// Adaptive exit on a model with an exit gate (Ouro, docs/ABI.md "Adaptive exit"):
+	// ExitThreshold, in [0, 1], or Exit ("gate": the model's own threshold, or "gate:T"; not
+	// both) takes each token from the first loop iteration whose cumulative exit probability
+	// reaches the threshold. nil and "": no exit rule. ExitPolicy "reference" (also "": every
+	// iteration still runs) or "skip" (generated tokens stop at their exit iteration). Generate,
+	// GenerateStream, GenerateText and GenerateTextStream only.
+	ExitThreshold *float64
+	Exit          string
+	ExitPolicy    string
 }
 
 // CtxTier is a CTX-TIER policy: the loop body is re-packed to INT2 once the sequence reaches
@@ -289,6 +302,13 @@ func cParams(o *GenerateOptions, method string) (C.tl_generate_params, func(), e
 	if o.Loops < -1<<31 || o.Loops > 1<<31-1 {
 		return p, none, invalid("Loops %d out of range", o.Loops)
 	}
+	if t := o.ExitThreshold; t != nil {
+		// The C ABI reads a negative threshold as none; here that is nil.
+		if *t < 0 {
+			return p, none, invalid("ExitThreshold %v must lie in [0, 1] (nil: no threshold)", *t)
+		}
+		p.exit_threshold = C.double(*t)
+	}
 	p.max_tokens = C.uint32_t(o.MaxTokens)
 	p.loops = C.int32_t(o.Loops)
 	p.temperature = C.float(o.Temperature)
@@ -322,8 +342,22 @@ func cParams(o *GenerateOptions, method string) (C.tl_generate_params, func(), e
 	release := func() {
 		C.free(unsafe.Pointer(stop))
 		freeCtxTier(p.ctx_tier)
+		C.free(unsafe.Pointer(p.exit))
+		C.free(unsafe.Pointer(p.exit_policy))
 	}
-	return p, release, nil
+	var err error
+	if p.exit, err = cOptional(o.Exit, "GenerateOptions.Exit"); err == nil {
+		p.exit_policy, err = cOptional(o.ExitPolicy, "GenerateOptions.ExitPolicy")
+	}
+	return p, release, err
+}
+
+// cOptional is s as C memory, or NULL for "" (free with C.free).
+func cOptional(s, what string) (*C.char, error) {
+	if s == "" {
+		return nil, nil
+	}
+	return cString(s, what)
 }
 
 func invalid(format string, args ...interface{}) error {
@@ -531,6 +565,11 @@ func Open(path string, opts *Options) (*Model, error) {
 			kvMode := C.CString(opts.KVMode)
 			defer C.free(unsafe.Pointer(kvMode))
 			params.kv_mode = kvMode
+		}
+		if opts.StateInit != "" {
+			stateInit := C.CString(opts.StateInit)
+			defer C.free(unsafe.Pointer(stateInit))
+			params.state_init = stateInit
 		}
 	}
 	cpath := C.CString(path)

@@ -32,18 +32,23 @@ func run(m *testing.M) int {
 			return 1
 		}
 		defer os.RemoveAll(dir)
-		cli := os.Getenv("TINYLOOP_BIN")
-		if cli == "" {
-			cli = filepath.Join("..", "..", "target", "release", "tinyloop")
-		}
 		modelPath = filepath.Join(dir, "tiny.tinyloop")
-		out, err := exec.Command(cli, "synth", "--preset", "tiny", "--seed", "1", "--out", modelPath).CombinedOutput()
+		out, err := exec.Command(cli(), "synth", "--preset", "tiny", "--seed", "1", "--out", modelPath).CombinedOutput()
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "cannot synthesize a test model with %s: %v\n%s", cli, err, out)
+			fmt.Fprintf(os.Stderr, "cannot synthesize a test model with %s: %v\n%s", cli(), err, out)
 			return 1
 		}
 	}
 	return m.Run()
+}
+
+// cli is the tinyloop CLI that synthesizes test models: TINYLOOP_BIN, or
+// ../../target/release/tinyloop.
+func cli() string {
+	if path := os.Getenv("TINYLOOP_BIN"); path != "" {
+		return path
+	}
+	return filepath.Join("..", "..", "target", "release", "tinyloop")
 }
 
 var prompt = []int32{82, 79, 77, 69, 79, 58} // "ROMEO:"

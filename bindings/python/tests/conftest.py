@@ -1,7 +1,8 @@
-"""Fixtures: a synthetic byte-vocabulary model, made once per test session.
+"""Fixtures: synthetic byte-vocabulary models, made once per test session.
 
-TINYLOOP_TEST_MODEL names an existing model to use instead; otherwise the `tinyloop` CLI
-(TINYLOOP_BIN, or target/release|debug/tinyloop above this folder) synthesizes the `tiny` preset.
+TINYLOOP_TEST_MODEL names an existing model to use instead of the `tiny` preset; otherwise the
+`tinyloop` CLI (TINYLOOP_BIN, or target/release|debug/tinyloop above this folder) synthesizes
+it. The looped families' presets (`tiny-sandwich`, `tiny-recurrent`) are always synthesized.
 """
 
 import os
@@ -25,21 +26,35 @@ def _find_cli():
     return shutil.which("tinyloop")
 
 
-@pytest.fixture(scope="session")
-def model_path(tmp_path_factory):
-    explicit = os.environ.get("TINYLOOP_TEST_MODEL")
-    if explicit:
-        return explicit
-    cli = _find_cli()
+def _synth(tmp_path_factory, preset, *args, cli=None):
+    """The path of a model of ``preset`` (seed 1) the CLI synthesizes, with extra ``args``."""
+    cli = cli or _find_cli()
     if cli is None:
-        pytest.fail("no tinyloop CLI to synthesize a test model; set TINYLOOP_BIN or TINYLOOP_TEST_MODEL")
-    path = tmp_path_factory.mktemp("models") / "tiny.tinyloop"
+        pytest.fail(f"no tinyloop CLI to synthesize the {preset} model; set TINYLOOP_BIN")
+    path = tmp_path_factory.mktemp("models") / f"{preset}.tinyloop"
     subprocess.run(
-        [cli, "synth", "--preset", "tiny", "--seed", "1", "--out", str(path)],
+        [cli, "synth", "--preset", preset, "--seed", "1", *args, "--out", str(path)],
         check=True,
         stdout=subprocess.DEVNULL,
     )
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    return os.environ.get("TINYLOOP_TEST_MODEL") or _synth(tmp_path_factory, "tiny")
+
+
+@pytest.fixture(scope="session")
+def sandwich_model_path(tmp_path_factory):
+    """Ouro's architecture: sandwich norms and an exit gate (no default exit threshold)."""
+    return _synth(tmp_path_factory, "tiny-sandwich")
+
+
+@pytest.fixture(scope="session")
+def recurrent_model_path(tmp_path_factory):
+    """Huginn's architecture: the loop starts from a random state."""
+    return _synth(tmp_path_factory, "tiny-recurrent")
 
 
 @pytest.fixture
@@ -67,14 +82,7 @@ def text_model_path(tmp_path_factory):
         pytest.fail("no tinyloop CLI to synthesize a test model; set TINYLOOP_TEST_TEXT_MODEL")
     # target/<profile>/tinyloop in a checkout.
     tokenizer = Path(cli).resolve().parents[2] / "tests" / "data" / "tokenizer"
-    path = tmp_path_factory.mktemp("models") / "tiny-text.tinyloop"
-    subprocess.run(
-        [cli, "synth", "--preset", "tiny", "--seed", "1", "--tokenizer", str(tokenizer),
-         "--out", str(path)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return str(path)
+    return _synth(tmp_path_factory, "tiny", "--tokenizer", str(tokenizer), cli=cli)
 
 
 @pytest.fixture

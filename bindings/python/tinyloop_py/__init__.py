@@ -274,6 +274,31 @@ def _set_beta_monitor(p: "_c.GenerateParams", beta_monitor: BetaMonitor) -> None
         setattr(p, "beta_mon_" + key, float(value))
 
 
+def _set_exit(
+    p: "_c.GenerateParams",
+    threshold: Optional[float],
+    rule: Optional[str],
+    policy: Optional[str],
+) -> None:
+    """Adaptive exit (docs/ABI.md "Adaptive exit"); the library checks the combination."""
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+            raise TypeError(
+                f"exit_threshold must be a number or None, got {type(threshold).__name__}"
+            )
+        # The C ABI reads a negative threshold as none; here that is None.
+        if threshold < 0:
+            raise InvalidArgumentError(
+                f"exit_threshold {threshold} must lie in [0, 1] (None: no threshold)",
+                _c.TL_ERR_INVALID_ARGUMENT,
+            )
+        p.exit_threshold = float(threshold)
+    if rule is not None:
+        p.exit = _utf8(rule, "exit")
+    if policy is not None:
+        p.exit_policy = _utf8(policy, "exit_policy")
+
+
 class _Call:
     """The converted arguments of one generation call (kept alive while C uses them)."""
 
@@ -290,6 +315,9 @@ class _Call:
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
     ):
         self.tokens = _tokens(tokens)
         p = _c.GenerateParams()
@@ -322,6 +350,7 @@ class _Call:
         if self.ctx_tier is not None:
             p.ctx_tier = ctypes.addressof(self.ctx_tier)
         _set_beta_monitor(p, beta_monitor)
+        _set_exit(p, exit_threshold, exit, exit_policy)
         self.params = p
 
     def args(self):
@@ -492,6 +521,9 @@ class _Runner:
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
         text: Optional[str] = None,
         add_special_tokens: bool = True,
         skip_special_tokens: bool = True,
@@ -505,6 +537,13 @@ class _Runner:
         ``beta_monitor`` (True, or a dict of thresholds) the call's BETA-MON summary is
         ``last_generate_stats()["beta_mon"]``.
 
+        Adaptive exit, on a model with an exit gate (Ouro): ``exit_threshold`` (in [0, 1]) or
+        ``exit`` ("gate": the model's own threshold, or "gate:T") takes each token from the
+        first loop iteration whose cumulative exit probability reaches the threshold;
+        ``exit_policy`` "reference" (the default: every iteration still runs) or "skip"
+        (generated tokens stop at their exit iteration). ``last_generate_stats()`` then counts
+        ``exit_tokens`` and their ``exit_mean_steps``. Not with ``prefix_cache``.
+
         ``text=`` instead of ``tokens``: the prompt as a str, tokenized by the model's
         tokenizer (with its special tokens unless ``add_special_tokens`` is False, as for a
         prompt from :meth:`Model.apply_chat_template`); returns the generated text (a str,
@@ -513,8 +552,8 @@ class _Runner:
         (stop strings: the text ends before the first one found); int entries stay stop tokens."""
         call = _Call(
             () if text is not None or tokens is None else tokens, max_tokens, loops, temperature,
-            top_k, top_p,
-            seed, stop, prefix_cache, ctx_tier, beta_monitor,
+            top_k, top_p, seed, stop, prefix_cache, ctx_tier, beta_monitor,
+            exit_threshold, exit, exit_policy,
         )
         if text is not None:
             if tokens is not None:
@@ -548,6 +587,9 @@ class _Runner:
         prefix_cache: Optional["PrefixCache"] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
         text: Optional[str] = None,
         add_special_tokens: bool = True,
         skip_special_tokens: bool = True,
@@ -558,8 +600,8 @@ class _Runner:
         Leaving the loop early stops generation after at most one more token."""
         call = _Call(
             () if text is not None or tokens is None else tokens, max_tokens, loops, temperature,
-            top_k, top_p,
-            seed, stop, prefix_cache, ctx_tier, beta_monitor,
+            top_k, top_p, seed, stop, prefix_cache, ctx_tier, beta_monitor,
+            exit_threshold, exit, exit_policy,
         )
         h = self._handle("generate_stream")
         if h.closed:
@@ -866,8 +908,10 @@ class _Runner:
     def last_generate_stats(self) -> Dict[str, Any]:
         """What the last successful generation call here did: ``tokens``, ``prefill_ms``,
         ``decode_ms``, and for speculative calls ``drafted``, ``accepted``,
-        ``acceptance_rate`` and ``agreement`` (draft / verify argmax agreement); zeros before
-        the first call. ``beta_mon``: None, or for a monitored call its BETA-MON summary, a dict
+        ``acceptance_rate`` and ``agreement`` (draft / verify argmax agreement), for calls with
+        an exit rule ``exit_tokens`` (the tokens returned with an exit iteration: all of them)
+        and ``exit_mean_steps`` (their mean exit iteration, 1-based); zeros before the first
+        call. ``beta_mon``: None, or for a monitored call its BETA-MON summary, a dict
         with ``n_tokens``, ``entropy_mean_bits``, ``entropy_std_bits``, ``entropy_min_bits``,
         ``entropy_max_bits``, ``low_rate``, ``high_rate``, ``agreement_rate`` (None unless
         speculative), the thresholds ``low_entropy_bits``, ``high_entropy_bits``,
@@ -911,6 +955,9 @@ class Model(_Runner):
     :param fp16_body: keep an FP16 copy of the transformer blocks' quantized weights on the GPU
         for prefill GEMMs through cuBLAS (more memory, faster long prompts; weights rounded to
         f16 on that path); None follows ``TINYLOOP_EXPERIMENTAL_FP16_BODY=1``. No effect on the CPU.
+    :param state_init: how a model whose loop starts from a random state (Huginn) draws it:
+        "model" (its own rule, from seed 0; also None), "zeros" or "seed:N". Other models
+        accept only "model" (docs/MODELS.md).
     :raises RuntimeError: (:class:`TinyLoopError`) the file is missing or invalid, or the device
         is unusable; the message names the failure point.
     :raises ValueError: ``max_seq_len < 0`` or above ``max_position`` (and other invalid
@@ -938,6 +985,7 @@ class Model(_Runner):
         kv_mode: Optional[str] = None,
         log: bool = True,
         fp16_body: Optional[bool] = None,
+        state_init: Optional[str] = None,
     ):
         super().__init__()
         self._config: Optional[Dict[str, Any]] = None
@@ -954,6 +1002,7 @@ class Model(_Runner):
         if fp16_body is not None and not isinstance(fp16_body, bool):
             raise TypeError(f"fp16_body must be a bool or None, got {type(fp16_body).__name__}")
         params.fp16_body = -1 if fp16_body is None else int(fp16_body)
+        params.state_init = None if state_init is None else _utf8(state_init, "state_init")
         handle = ctypes.c_void_p()
         _check(
             _dll.tl_model_open(os.fsencode(os.fspath(path)), ctypes.byref(params),

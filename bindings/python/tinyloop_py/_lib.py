@@ -54,6 +54,7 @@ class ModelParams(ctypes.Structure):
         ("log", ctypes.c_bool),
         ("kv_mode", ctypes.c_char_p),
         ("fp16_body", ctypes.c_int32),
+        ("state_init", ctypes.c_char_p),
     ]
 
 
@@ -74,6 +75,9 @@ class GenerateParams(ctypes.Structure):
         ("beta_mon_low_entropy_bits", ctypes.c_double),
         ("beta_mon_high_entropy_bits", ctypes.c_double),
         ("beta_mon_agreement_floor", ctypes.c_double),
+        ("exit_threshold", ctypes.c_double),
+        ("exit", ctypes.c_char_p),
+        ("exit_policy", ctypes.c_char_p),
     ]
 
 
@@ -138,6 +142,8 @@ class GenerateStats(ctypes.Structure):
         ("beta_mon_high_entropy_bits", ctypes.c_double),
         ("beta_mon_agreement_floor", ctypes.c_double),
         ("beta_mon_agreement_below_floor", ctypes.c_bool),
+        ("exit_tokens", ctypes.c_size_t),
+        ("exit_mean_steps", ctypes.c_double),
     ]
 
 
