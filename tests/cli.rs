@@ -1025,3 +1025,54 @@ fn text_options_fail_with_one_line_naming_the_problem() {
         assert_eq!(error_lines, 1, "{args:?}: {err}");
     }
 }
+
+/// `convert --hf` of both families' checkpoint folders: round to nearest and GPTQ (calibrated on
+/// text through the folder's tokenizer); the files load and generate text through their stored
+/// tokenizer, with Ouro's exit gate and Huginn's seeded initial state.
+#[test]
+fn convert_hf_writes_models_that_generate_text() {
+    let dir = common::scratch("cli-hf");
+    let root = env!("CARGO_MANIFEST_DIR");
+    let calib = format!("{root}/tests/data/train_excerpt.txt");
+    for (family, run) in [
+        ("ouro-tiny", vec!["--exit-threshold", "0.5"]),
+        ("huginn-tiny", vec!["--state-init", "seed:7"]),
+    ] {
+        let folder = format!("{root}/tests/data/hf/{family}");
+        for method in ["rtn", "gptq"] {
+            let out = dir.join(format!("{family}-{method}.tinyloop"));
+            let out = out.to_str().unwrap();
+            let mut args = vec![
+                "convert",
+                "--hf",
+                &folder,
+                "--bits",
+                "4",
+                "--group-size",
+                "32",
+            ];
+            args.extend(["--method", method, "--out", out]);
+            if method == "gptq" {
+                args.extend(["--calib", &calib, "--calib-bytes", "4000"]);
+            }
+            let converted = tinyloop(&args);
+            assert!(
+                converted.status.success(),
+                "{}",
+                String::from_utf8_lossy(&converted.stderr)
+            );
+            let info = stdout(&tinyloop(&[out, "info"]));
+            assert!(info.contains(&format!("\"int4 g32 {method}\"")), "{info}");
+            let mut generate = vec![out, "generate", "--prompt", "ROMEO:", "--max-tokens", "6"];
+            generate.extend(run.iter().copied());
+            generate.extend(["--device", "cpu"]);
+            let text = tinyloop(&generate);
+            assert!(
+                text.status.success(),
+                "{}",
+                String::from_utf8_lossy(&text.stderr)
+            );
+            assert!(stdout(&text).starts_with("ROMEO:"), "{}", stdout(&text));
+        }
+    }
+}

@@ -583,7 +583,8 @@ struct ConvertArgs {
     /// rtn (round to nearest) or gptq (needs --calib; 4 and 2 bits).
     #[arg(long, default_value = "rtn")]
     method: String,
-    /// Calibration text for GPTQ (byte-level models).
+    /// Calibration text for GPTQ: its bytes for byte-level models, tokenized with the folder's
+    /// tokenizer with --hf.
     #[arg(long, value_name = "FILE")]
     calib: Option<PathBuf>,
     /// Use at most this many bytes of the calibration text (with --calib).
@@ -796,22 +797,6 @@ fn convert(args: ConvertArgs) -> Result<()> {
         ));
     }
     let group_size = quantization_groups(args.bits, args.group_size)?;
-    let calibration = match &args.calib {
-        Some(path) => {
-            let io = |e| Error::Io {
-                path: path.clone(),
-                source: e,
-            };
-            let mut bytes = Vec::new();
-            std::fs::File::open(path)
-                .map_err(io)?
-                .take(args.calib_bytes as u64)
-                .read_to_end(&mut bytes)
-                .map_err(io)?;
-            bytes.into_iter().map(u32::from).collect()
-        }
-        None => Vec::new(),
-    };
     let mut metadata = serde_json::Map::new();
     if let Some(t) = &args.tokenizer {
         metadata.insert("tokenizer".into(), json!(t));
@@ -827,11 +812,22 @@ fn convert(args: ConvertArgs) -> Result<()> {
         },
         _ => unreachable!("clap requires --hf, or --safetensors with --config"),
     };
-    if method == Method::Gptq && matches!(input, Input::HuggingFace(_)) {
-        return Err(Error::InvalidArgument(
-            "--method gptq calibrates on byte-level text; with --hf use --method rtn".into(),
-        ));
-    }
+    let calibration = match &args.calib {
+        Some(path) => {
+            let io = |e| Error::Io {
+                path: path.clone(),
+                source: e,
+            };
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .map_err(io)?
+                .take(args.calib_bytes as u64)
+                .read_to_end(&mut bytes)
+                .map_err(io)?;
+            calibration_tokens(&input, bytes)?
+        }
+        None => Vec::new(),
+    };
     let opts = ConvertOptions {
         input,
         out: args.out.clone(),
@@ -847,6 +843,19 @@ fn convert(args: ConvertArgs) -> Result<()> {
     tinyloop::convert::convert(&opts)?;
     eprintln!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The GPTQ calibration text as token ids: through the tokenizer of a Hugging Face folder (its
+/// bytes cut at `--calib-bytes`, so a character split there is replaced), else its bytes.
+fn calibration_tokens(input: &tinyloop::convert::Input, bytes: Vec<u8>) -> Result<Vec<u32>> {
+    use tinyloop::tokenizer::{metadata_from_dir, Tokenizer};
+    let tinyloop::convert::Input::HuggingFace(dir) = input else {
+        return Ok(bytes.into_iter().map(u32::from).collect());
+    };
+    let metadata = metadata_from_dir(dir)?;
+    let tokenizer = Tokenizer::from_metadata(&metadata, usize::MAX)?
+        .expect("a folder's tokenizer.json is a Hugging Face tokenizer");
+    tokenizer.encode(&String::from_utf8_lossy(&bytes), false)
 }
 
 fn run_model(cli: ModelCli) -> Result<()> {
