@@ -16,6 +16,7 @@ use crate::generate::speculative::{self, Speculation};
 use crate::generate::{self, handles, GenerateRequest, GenerateStats};
 use crate::handle::{PrefixCache, ResumeHandle};
 use crate::handle::{PrefixInner, ResumeInner};
+use crate::model::architecture::LoopInput;
 use crate::telemetry::beta_monitor;
 use crate::{GenerateParams, KvMode, Model, ModelConfig};
 
@@ -196,6 +197,13 @@ impl Session {
         self.start_call(None)?;
         let loops = self.check_score(prompt, loops)?;
         self.check_room(prompt.len(), "a prompt", "a generated token")?;
+        if self.config().architecture.loop_input != LoopInput::None {
+            // A resume continues from a saved state at iteration k + 1, and the handle does not
+            // keep the loop adapter's input that iteration needs.
+            return Err(Error::invalid(
+                "resume handles are not available for models with a loop adapter (Huginn)",
+            ));
+        }
         let cancel = self.cancel.clone();
         let inner: ResumeInner = with_backend!(self, |b, w, buf| handles::ResumeHandle::build(
             b, w, buf, prompt, loops, &cancel

@@ -318,3 +318,55 @@ fn exit_rules_are_refused_where_they_cannot_apply() {
         .unwrap_err();
     assert!(err.to_string().contains("no exit gate"), "{err}");
 }
+
+#[test]
+fn huginn_models_refuse_resume_handles_and_keep_their_other_calls() {
+    let model = open(&converted("huginn-tiny", 16), StateInit::Zeros);
+    let mut session = model.new_session().unwrap();
+    let Err(err) = session.build_resume_handle(&[1, 2, 3], Some(4)) else {
+        panic!("a resume handle of a model with a loop adapter");
+    };
+    assert!(err.to_string().contains("loop adapter"), "{err}");
+    // A prefix cache keeps only KV entries: generating after it equals generating from scratch.
+    let prompt = Reference::load("huginn-tiny").ids("generation_prompt_ids");
+    let params = GenerateParams {
+        max_tokens: 8,
+        loops: Some(4),
+        ..GenerateParams::default()
+    };
+    let plain = session.generate(&prompt, &params).unwrap();
+    let cache = session.build_prefix_cache(&prompt[..5], Some(4)).unwrap();
+    let after = session
+        .generate_with_prefix(&cache, &prompt[5..], &params, &mut |_| true)
+        .unwrap();
+    assert_eq!(after, plain);
+}
+
+#[test]
+fn speculation_on_both_families_equals_plain_generation() {
+    for (family, state_init) in [
+        ("ouro-tiny", StateInit::Model),
+        ("huginn-tiny", StateInit::Zeros),
+    ] {
+        let model = open(&converted(family, 16), state_init);
+        let prompt = Reference::load(family).ids("generation_prompt_ids");
+        let params = GenerateParams {
+            max_tokens: 16,
+            loops: Some(4),
+            ..GenerateParams::default()
+        };
+        let mut session = model.new_session().unwrap();
+        let plain = session.generate(&prompt, &params).unwrap();
+        for reuse in [true, false] {
+            let spec = tinyloop::Speculation {
+                draft_loops: 2,
+                draft_len: 3,
+                reuse,
+            };
+            let drafted = session
+                .generate_speculative(&prompt, &params, &spec, &mut |_| true)
+                .unwrap();
+            assert_eq!(drafted, plain, "{family} reuse {reuse}");
+        }
+    }
+}
