@@ -66,27 +66,33 @@ impl Span {
 
     /// The block applications of this span, in order.
     pub fn applications(self, config: &ModelConfig) -> impl Iterator<Item = Application> + '_ {
-        let stage = |stage, n: usize| {
-            (0..n).map(move |block| Application {
-                stage,
-                block,
-                iteration: 0,
-            })
-        };
         let k = config.n_loop_blocks;
-        let body = (self.first..=self.last).flat_map(move |iteration| {
-            (0..k).map(move |block| Application {
-                stage: Stage::Loop,
-                block,
-                iteration,
-            })
-        });
+        let body =
+            (self.first..=self.last).flat_map(move |iteration| iteration_blocks(k, iteration));
         let pre = if self.start { config.n_pre_blocks } else { 0 };
         let post = if self.post { config.n_post_blocks } else { 0 };
-        stage(Stage::Pre, pre)
+        stage_blocks(Stage::Pre, pre)
             .chain(body)
-            .chain(stage(Stage::Post, post))
+            .chain(stage_blocks(Stage::Post, post))
     }
+}
+
+/// The applications of the `n` blocks of the pre or post stage.
+fn stage_blocks(stage: Stage, n: usize) -> impl Iterator<Item = Application> {
+    (0..n).map(move |block| Application {
+        stage,
+        block,
+        iteration: 0,
+    })
+}
+
+/// The applications of the `k` loop blocks in loop iteration `iteration`.
+fn iteration_blocks(k: usize, iteration: usize) -> impl Iterator<Item = Application> {
+    (0..k).map(move |block| Application {
+        stage: Stage::Loop,
+        block,
+        iteration,
+    })
 }
 
 /// The block applications of `loops` iterations, in order.
@@ -358,13 +364,6 @@ pub fn run<B: Backend>(
         block_forward(backend, config, w.block(app, &body), &w.rope, buf, rows, at);
         Ok(())
     };
-    let stage_blocks = |stage, n: usize| {
-        (0..n).map(move |block| Application {
-            stage,
-            block,
-            iteration: 0,
-        })
-    };
     if span.start {
         embed(backend, w, buf, rows);
         for app in stage_blocks(Stage::Pre, config.n_pre_blocks) {
@@ -382,12 +381,7 @@ pub fn run<B: Backend>(
             backend.copy_rows(&buf.loop_input, 0, &mut buf.x, 0, rows, d);
             backend.linear(&buf.h, 0, rows, &adapter.state, &mut buf.x, true);
         }
-        for block in 0..config.n_loop_blocks {
-            let app = Application {
-                stage: Stage::Loop,
-                block,
-                iteration,
-            };
+        for app in iteration_blocks(config.n_loop_blocks, iteration) {
             apply(buf, app)?;
         }
         if arch.loop_norm == LoopNorm::EachIteration {
