@@ -1435,25 +1435,21 @@ fn cuda_parity_looped_families() {
     finish("cuda_parity_looped_families", failures);
 }
 
-/// Ouro and Huginn checkpoints converted from their Hugging Face folders (tests/data/hf, run from
-/// the repository root) against their reference code's logits, on the GPU: the bound of
-/// tests/hf.rs (4e-3) plus the GPU's reordering, which the CPU comparison above bounds.
-#[test]
-fn cuda_hf_checkpoints_match_their_reference() {
-    if !cuda_or_skip("cuda_hf_checkpoints_match_their_reference") {
-        return;
-    }
+/// The checkpoint folder `tests/data/hf/{model}` (run from the repository root) and its f16
+/// conversion, written for this process.
+fn converted_hf(model: &str) -> (PathBuf, PathBuf) {
     use tinyloop::convert::{convert, ConvertOptions, Input, Method};
-    let mut failures = Vec::new();
-    for (model, steps, state_init) in [
-        ("ouro-tiny", [1usize, 2, 4], tinyloop::StateInit::Model),
-        ("huginn-tiny", [1, 3, 8], tinyloop::StateInit::Zeros),
-    ] {
-        let dir = Path::new("tests/data/hf").join(model);
-        let out = std::env::temp_dir().join(format!("tinyloop-cuda-{model}.tinyloop"));
+    let dir = Path::new("tests/data/hf").join(model);
+    let out = std::env::temp_dir().join(format!(
+        "tinyloop-cuda-{model}-{}.tinyloop",
+        std::process::id()
+    ));
+    if !out.exists() {
+        // Written under a temporary name: a test running beside this one may read it already.
+        let tmp = out.with_extension(format!("tmp{:?}", std::thread::current().id()));
         convert(&ConvertOptions {
             input: Input::HuggingFace(dir.clone()),
-            out: out.clone(),
+            out: tmp.clone(),
             bits: 16,
             group_size: 0,
             method: Method::Rtn,
@@ -1464,6 +1460,25 @@ fn cuda_hf_checkpoints_match_their_reference() {
             progress: false,
         })
         .unwrap();
+        std::fs::rename(&tmp, &out).unwrap();
+    }
+    (dir, out)
+}
+
+/// Ouro and Huginn checkpoints converted from their Hugging Face folders (tests/data/hf, run from
+/// the repository root) against their reference code's logits, on the GPU: the bound of
+/// tests/hf.rs (4e-3) plus the GPU's reordering, which the CPU comparison above bounds.
+#[test]
+fn cuda_hf_checkpoints_match_their_reference() {
+    if !cuda_or_skip("cuda_hf_checkpoints_match_their_reference") {
+        return;
+    }
+    let mut failures = Vec::new();
+    for (model, steps, state_init) in [
+        ("ouro-tiny", [1usize, 2, 4], tinyloop::StateInit::Model),
+        ("huginn-tiny", [1, 3, 8], tinyloop::StateInit::Zeros),
+    ] {
+        let (dir, out) = converted_hf(model);
         let options = ModelOptions {
             device: Some(Device::Cuda(0)),
             max_seq_len: 64,
@@ -1509,23 +1524,8 @@ fn cuda_exit_rule_matches_the_reference() {
     if !cuda_or_skip("cuda_exit_rule_matches_the_reference") {
         return;
     }
-    use tinyloop::convert::{convert, ConvertOptions, Input, Method};
     use tinyloop::{Exit, ExitPolicy, ExitRule};
-    let dir = Path::new("tests/data/hf/ouro-tiny");
-    let out = std::env::temp_dir().join("tinyloop-cuda-exit-ouro.tinyloop");
-    convert(&ConvertOptions {
-        input: Input::HuggingFace(dir.to_path_buf()),
-        out: out.clone(),
-        bits: 16,
-        group_size: 0,
-        method: Method::Rtn,
-        calibration: Vec::new(),
-        calibration_loops: None,
-        window: 0,
-        metadata: Default::default(),
-        progress: false,
-    })
-    .unwrap();
+    let (dir, out) = converted_hf("ouro-tiny");
     let reference = dir.join("reference");
     let ints = |file: &str| -> Vec<u32> {
         std::fs::read(reference.join(file))
