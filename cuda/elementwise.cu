@@ -38,6 +38,28 @@ DEV uint2 norm4(float4 x, uint2 w, uint2 b, float mean, float inv, bool has_bias
     return make_uint2((u32)o[0] | ((u32)o[1] << 16), (u32)o[2] | ((u32)o[3] << 16));
 }
 
+// The mean (0 for RMSNorm) and 1 / sqrt(var + eps) of a row of d floats staged in shared memory,
+// reduced over the block.
+DEV void staged_row_stats(const float* srow, int d, int layer_norm, float eps, float* scratch,
+                          float* mean_out, float* inv_out) {
+    const float n = (float)d;
+    float mean = 0.0f;
+    if (layer_norm) {
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) s += srow[i];
+        mean = __fdiv_rn(block_sum(s, scratch), n);
+    }
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = __fsub_rn(srow[i], mean);
+        ss = fmaf(v, v, ss);
+    }
+    const float var = __fdiv_rn(block_sum(ss, scratch), n);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    *mean_out = mean;
+    *inv_out = inv;
+}
+
 // RMSNorm or LayerNorm of one row per block, rounded to f16:
 // out = (x - mean) * inv * w + b with inv = 1 / sqrt(var + eps) (mean = 0, b = 0 for RMSNorm).
 // Rows of up to 8 values per thread (d a multiple of 4) stay in registers, with every load
@@ -103,19 +125,8 @@ extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int lay
         for (int i = threadIdx.x; i < d; i += blockDim.x) srow[i] = row[i];
     }
     __syncthreads();
-    float mean = 0.0f;
-    if (layer_norm) {
-        float s = 0.0f;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) s += srow[i];
-        mean = __fdiv_rn(block_sum(s, scratch), n);
-    }
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = __fsub_rn(srow[i], mean);
-        ss = fmaf(v, v, ss);
-    }
-    const float var = __fdiv_rn(block_sum(ss, scratch), n);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    float mean, inv;
+    staged_row_stats(srow, d, layer_norm, eps, scratch, &mean, &inv);
 #pragma unroll 4
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
@@ -437,23 +448,11 @@ extern "C" __global__ void norm_state_rows(float* __restrict__ x, const float* _
     __shared__ float scratch[32];
     float* row = x + (size_t)blockIdx.x * d;
     const float* add = delta + (size_t)blockIdx.x * d;
-    const float n = (float)d;
     for (int i = threadIdx.x; i < d; i += blockDim.x)
         srow[i] = mode == 0 ? row[i] : mode == 1 ? add[i] : __fadd_rn(row[i], add[i]);
     __syncthreads();
-    float mean = 0.0f;
-    if (layer_norm) {
-        float s = 0.0f;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) s += srow[i];
-        mean = __fdiv_rn(block_sum(s, scratch), n);
-    }
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = __fsub_rn(srow[i], mean);
-        ss = fmaf(v, v, ss);
-    }
-    const float var = __fdiv_rn(block_sum(ss, scratch), n);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    float mean, inv;
+    staged_row_stats(srow, d, layer_norm, eps, scratch, &mean, &inv);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
         const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
