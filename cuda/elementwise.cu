@@ -435,18 +435,20 @@ extern "C" __global__ void entropy_f32(const float* __restrict__ x, int len, flo
 }
 
 // The f32 norms of the architecture's choices (src/model/architecture.rs), one row per block,
-// the row staged in shared memory (d floats, dynamic):
-//   mode 0: x = norm(x)             (the loop norm)
-//   mode 1: x = x + norm(delta)     (sandwich block)
-//   mode 2: x = norm(x + delta)     (sandwich block, norm after the residual add)
-extern "C" __global__ void norm_state_rows(float* __restrict__ x, const float* __restrict__ delta,
-                                           int mode, int d, int layer_norm, float eps,
+// the row staged in shared memory (d floats, dynamic), from `x` into `out` (may be `x`):
+//   mode 0: out = norm(x)             (the loop norm)
+//   mode 1: out = x + norm(delta)     (sandwich block)
+//   mode 2: out = norm(x + delta)     (sandwich block, norm after the residual add)
+extern "C" __global__ void norm_state_rows(const float* x, float* out,
+                                           const float* __restrict__ delta, int mode, int d,
+                                           int layer_norm, float eps,
                                            const f16_t* __restrict__ w,
                                            const f16_t* __restrict__ b, int has_bias) {
     kernel_start();
     extern __shared__ __align__(16) float srow[];
     __shared__ float scratch[32];
-    float* row = x + (size_t)blockIdx.x * d;
+    const float* row = x + (size_t)blockIdx.x * d;
+    float* dst = out + (size_t)blockIdx.x * d;
     const float* add = delta + (size_t)blockIdx.x * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x)
         srow[i] = mode == 0 ? row[i] : mode == 1 ? add[i] : __fadd_rn(row[i], add[i]);
@@ -457,7 +459,7 @@ extern "C" __global__ void norm_state_rows(float* __restrict__ x, const float* _
         const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
         const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
         const float normed = __fadd_rn(v, bias);
-        row[i] = mode == 1 ? __fadd_rn(row[i], normed) : normed;
+        dst[i] = mode == 1 ? __fadd_rn(row[i], normed) : normed;
     }
 }
 

@@ -109,7 +109,15 @@ DEV float row_sum(float v, int tpr, float* red, int slot, int slots) {
     return total;
 }
 
-// The input of a GEMV: f16 rows, or (NORM) f32 rows normalized on the fly like norm_rows.
+// Residual modes of a normalizing GEMV's input (those of norm_state_rows): none, or a sandwich
+// sublayer's output `delta` still to be added, x + norm_o(delta) or norm_o(x + delta).
+#define RES_NONE 0
+#define RES_SANDWICH 1
+#define RES_SANDWICH_RESIDUAL 2
+
+// The input of a GEMV: f16 rows, or (NORM) f32 rows normalized on the fly like norm_rows. With a
+// residual mode the row is first settled (the pending sublayer output added as norm_state_rows
+// adds it, with the same norm kind and eps); block 0 writes the settled row to `x_next`.
 struct GemvInput {
     const f16_t* x;  // f16 rows (plain)
     const float* xf; // f32 rows to normalize (NORM)
@@ -117,26 +125,30 @@ struct GemvInput {
     const f16_t* nb; // norm bias, or null
     int layer_norm;
     float eps;
+    int res_mode;       // RES_*
+    const float* delta; // the pending sublayer output
+    const f16_t* ow;    // its output norm's weight
+    const f16_t* ob;    // and bias, or null
+    float* x_next;      // the settled row
 };
 
-// Mean and 1 / sqrt(var + eps) of the f32 row `x` of width K (a multiple of 8), as norm_rows
-// computes them (mean = 0 for RMSNorm). Every thread gets both.
-DEV float2 row_norm_stats(const float* __restrict__ x, int K, int layer_norm, float eps,
-                          float* scratch) {
-    const float4* v = (const float4*)x;
+// Mean and 1 / sqrt(var + eps) of a row of width K (a multiple of 8) whose float4 chunk i is
+// `chunk(i)` (mean = 0 for RMSNorm). Every thread gets both.
+template <class Chunk>
+DEV float2 row_stats(Chunk chunk, int K, int layer_norm, float eps, float* scratch) {
     const float n = (float)K;
     float mean = 0.0f;
     if (layer_norm) {
         float s = 0.0f;
         for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-            const float4 a = v[i];
+            const float4 a = chunk(i);
             s += (a.x + a.y) + (a.z + a.w);
         }
         mean = __fdiv_rn(block_sum(s, scratch), n);
     }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-        const float4 a = v[i];
+        const float4 a = chunk(i);
         const float e[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
         for (int k = 0; k < 4; k++) {
@@ -146,6 +158,39 @@ DEV float2 row_norm_stats(const float* __restrict__ x, int K, int layer_norm, fl
     }
     const float var = __fdiv_rn(block_sum(ss, scratch), n);
     return make_float2(mean, __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps))));
+}
+
+// (v - mean) * inv * w + b for four values, in f32 as norm_state_rows rounds it.
+DEV float4 norm_f32x4(float4 v, uint2 w, uint2 b, float2 st) {
+    const float vs[4] = {v.x, v.y, v.z, v.w};
+    const float ws[4] = {lo_f16(w.x), hi_f16(w.x), lo_f16(w.y), hi_f16(w.y)};
+    const float bs[4] = {lo_f16(b.x), hi_f16(b.x), lo_f16(b.y), hi_f16(b.y)};
+    float o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        o[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(vs[j], st.x), st.y), ws[j]), bs[j]);
+    return make_float4(o[0], o[1], o[2], o[3]);
+}
+
+DEV float4 add4(float4 a, float4 b) {
+    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
+                       __fadd_rn(a.w, b.w));
+}
+
+// What the output norm of a pending residual normalizes: delta, or x + delta.
+DEV float4 residual_source(const GemvInput& in, int i) {
+    const float4 d = ((const float4*)in.delta)[i];
+    return in.res_mode == RES_SANDWICH ? d : add4(((const float4*)in.xf)[i], d);
+}
+
+// Float4 chunk i of the settled row; `os` are the output norm's statistics.
+DEV float4 settled_chunk(const GemvInput& in, int i, float2 os) {
+    const float4 x = ((const float4*)in.xf)[i];
+    if (in.res_mode == RES_NONE) return x;
+    const uint2 w = ((const uint2*)in.ow)[i];
+    const uint2 b = in.ob ? ((const uint2*)in.ob)[i] : make_uint2(0u, 0u);
+    const float4 normed = norm_f32x4(residual_source(in, i), w, b, os);
+    return in.res_mode == RES_SANDWICH ? add4(x, normed) : normed;
 }
 
 // Four normalized values, rounded to f16 exactly like norm_rows, widened back to f32.
@@ -225,8 +270,15 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
 
     // 2. Stage x as f32 (rows >= `rows` are zero), 8 values per thread and step; for quantized
     //    weights the four threads of a 32-value unit also sum it (shuffles, fixed order).
-    float2 stats = make_float2(0.0f, 1.0f);
-    if (NORM) stats = row_norm_stats(input.xf, K, input.layer_norm, input.eps, red);
+    float2 stats = make_float2(0.0f, 1.0f), out_stats = stats;
+    if (NORM) {
+        if (input.res_mode != RES_NONE) {
+            auto source = [&](int i) { return residual_source(input, i); };
+            out_stats = row_stats(source, K, input.layer_norm, input.eps, red);
+        }
+        auto settled = [&](int i) { return settled_chunk(input, i, out_stats); };
+        stats = row_stats(settled, K, input.layer_norm, input.eps, red);
+    }
     const int chunks = K >> 3;
     const int total = R * chunks;
     for (int base = 0; base < total; base += blockDim.x) {
@@ -236,12 +288,17 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
         if (NORM) {
             if (in && r < rows) {
-                const float4* xv = (const float4*)(input.xf + 8 * c);
+                const float4 x0 = settled_chunk(input, 2 * c, out_stats);
+                const float4 x1 = settled_chunk(input, 2 * c + 1, out_stats);
+                if (input.res_mode != RES_NONE && blockIdx.x == 0) {
+                    ((float4*)input.x_next)[2 * c] = x0;
+                    ((float4*)input.x_next)[2 * c + 1] = x1;
+                }
                 const uint4 wv = *(const uint4*)(input.nw + 8 * c);
                 const uint4 bv =
                     input.nb ? *(const uint4*)(input.nb + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-                a = norm_f16x4(xv[0], make_uint2(wv.x, wv.y), make_uint2(bv.x, bv.y), stats);
-                b = norm_f16x4(xv[1], make_uint2(wv.z, wv.w), make_uint2(bv.z, bv.w), stats);
+                a = norm_f16x4(x0, make_uint2(wv.x, wv.y), make_uint2(bv.x, bv.y), stats);
+                b = norm_f16x4(x1, make_uint2(wv.z, wv.w), make_uint2(bv.z, bv.w), stats);
             }
         } else {
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -322,7 +379,7 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
         gemv_b##B##_r##R(const f16_t* x, int rows, int K, const u8* w, const f16_t* sz, int N,    \
                          int group, int tpr, int stream, float* out, int accumulate) {            \
-        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f};                             \
+        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f, RES_NONE};                   \
         gemv<B, R, false, false>(in, rows, K, w, sz, w, sz, N, group, tpr, stream, out,           \
                                  accumulate, nullptr);                                            \
     }                                                                                             \
@@ -330,18 +387,21 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
         gemv_gateup_b##B##_r##R(                                                                  \
         const f16_t* x, int rows, int K, const u8* wg, const f16_t* szg, const u8* wu,            \
         const f16_t* szu, int N, int group, int tpr, int stream, f16_t* out) {                    \
-        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f};                             \
+        const GemvInput in = {x, nullptr, nullptr, nullptr, 0, 0.0f, RES_NONE};                   \
         gemv<B, R, true, false>(in, rows, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0, \
                                 out);                                                             \
     }
 
-// One row normalized on the fly (decode): `nb` may be null (no bias).
+// One row normalized on the fly (decode): `nb` may be null (no bias). With `res_mode` the row is
+// `xf` with the pending output `delta` added (output norm `ow`, `ob`), written to `x_next`.
 #define GEMV_NORM_KERNELS(B)                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) gemv_norm_b##B(   \
         const float* xf, int K, const f16_t* nw, const f16_t* nb, int layer_norm, float eps,      \
         const u8* w, const f16_t* sz, int N, int group, int tpr, int stream, float* out,          \
-        int accumulate) {                                                                         \
-        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps};                              \
+        int accumulate, int res_mode, const float* delta, const f16_t* ow, const f16_t* ob,       \
+        float* x_next) {                                                                          \
+        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps, res_mode, delta, ow, ob,      \
+                              x_next};                                                            \
         gemv<B, 1, false, true>(in, 1, K, w, sz, w, sz, N, group, tpr, stream, out, accumulate,   \
                                 nullptr);                                                         \
     }                                                                                             \
@@ -349,8 +409,10 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
         gemv_gateup_norm_b##B(const float* xf, int K, const f16_t* nw, const f16_t* nb,           \
                               int layer_norm, float eps, const u8* wg, const f16_t* szg,          \
                               const u8* wu, const f16_t* szu, int N, int group, int tpr,          \
-                              int stream, f16_t* out) {                                           \
-        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps};                              \
+                              int stream, f16_t* out, int res_mode, const float* delta,           \
+                              const f16_t* ow, const f16_t* ob, float* x_next) {                  \
+        const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps, res_mode, delta, ow, ob,      \
+                              x_next};                                                            \
         gemv<B, 1, true, true>(in, 1, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0,     \
                                out);                                                              \
     }

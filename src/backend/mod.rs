@@ -110,6 +110,15 @@ pub struct NormLayer<'a, V> {
     pub bias: Option<&'a V>,
 }
 
+/// A sandwich sublayer's output `delta` not yet added to the residual stream: the stream is
+/// `x + norm(delta)` ([`BlockNorms::Sandwich`]) or `norm(x + delta)`
+/// ([`BlockNorms::SandwichResidual`]), in f32.
+pub struct Residual<'a, V, F> {
+    pub norm: NormLayer<'a, V>,
+    pub delta: &'a F,
+    pub layout: BlockNorms,
+}
+
 /// A device and the kernels that run on it.
 ///
 /// Buffer types own device memory. Every op enqueues work; only the `read_*` methods and
@@ -203,16 +212,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `x = norm(x)` for `rows` rows, in f32 (the loop norm).
     fn norm_state(&self, norm: &NormLayer<Self::Vector>, x: &mut Self::Float, rows: usize);
 
-    /// A sandwich block's residual update from a sublayer's output `delta`, in f32:
-    /// `x = x + norm(delta)` ([`BlockNorms::Sandwich`]) or `x = norm(x + delta)`
-    /// ([`BlockNorms::SandwichResidual`]), for `rows` rows.
+    /// Add a sandwich sublayer's pending output to `rows` rows of the stream `x`, in place.
     fn residual_norm(
         &self,
-        norm: &NormLayer<Self::Vector>,
-        delta: &Self::Float,
+        residual: &Residual<Self::Vector, Self::Float>,
         rows: usize,
         x: &mut Self::Float,
-        layout: BlockNorms,
+    );
+
+    /// [`Backend::residual_norm`] out of place: `next` = the stream `x` with the output added.
+    fn residual_norm_into(
+        &self,
+        residual: &Residual<Self::Vector, Self::Float>,
+        x: &Self::Float,
+        rows: usize,
+        next: &mut Self::Float,
     );
 
     /// `x[r] += bias` for `rows` rows of width `bias.len()`.
@@ -284,6 +298,45 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) {
         self.norm(norm, x, rows, h);
         self.mlp_gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
+    }
+
+    /// [`Backend::norm_linear`] of the stream `x` with a pending sublayer output added; the
+    /// stream with it added is left in `next`. The default settles it first
+    /// ([`Backend::residual_norm_into`]); a backend may fuse the three.
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm_linear(
+        &self,
+        residual: &Residual<Self::Vector, Self::Float>,
+        x: &Self::Float,
+        rows: usize,
+        next: &mut Self::Float,
+        norm: &NormLayer<Self::Vector>,
+        w: &Self::Linear,
+        h: &mut Self::Half,
+        out: &mut Self::Float,
+    ) {
+        self.residual_norm_into(residual, x, rows, next);
+        self.norm_linear(norm, next, rows, w, h, out);
+    }
+
+    /// [`Backend::norm_mlp_gate_up`] of the stream `x` with a pending sublayer output added; the
+    /// stream with it added is left in `next`, as in [`Backend::residual_norm_linear`].
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm_mlp_gate_up(
+        &self,
+        residual: &Residual<Self::Vector, Self::Float>,
+        x: &Self::Float,
+        rows: usize,
+        next: &mut Self::Float,
+        norm: &NormLayer<Self::Vector>,
+        gate: &Self::Linear,
+        up: &Self::Linear,
+        h: &mut Self::Half,
+        scratch: (&mut Self::Float, &mut Self::Float),
+        out: &mut Self::Half,
+    ) {
+        self.residual_norm_into(residual, x, rows, next);
+        self.norm_mlp_gate_up(norm, next, rows, gate, up, h, scratch, out);
     }
 
     /// Rotate the Q (and, unless the mode caches h, K) parts of `qkv` for the `rows` staged

@@ -487,6 +487,8 @@ struct BenchArgs {
     speculation: SpeculationArgs,
     #[command(flatten)]
     beta_mon: BetaMonArgs,
+    #[command(flatten)]
+    exit: ExitArgs,
     /// Keep the first N prompt tokens in a prefix cache (built once) and time generation after it.
     #[arg(
         long,
@@ -1208,6 +1210,9 @@ fn stats_json(stats: &GenerateStats, speculative: bool) -> serde_json::Value {
         out["acceptance_rate"] = json!(stats.acceptance_rate());
         out["agreement"] = json!(stats.agreement());
     }
+    if !stats.exit_steps.is_empty() {
+        out["exit_mean_steps"] = json!(stats.mean_exit_steps());
+    }
     if let Some(tier) = &stats.ctx_tier {
         out["ctx_tier"] = ctx_tier_json(tier);
     }
@@ -1466,6 +1471,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         sampling: args.sampling.params()?,
         ctx_tier: args.ctx_tier.policy()?,
         beta_monitor: args.beta_mon.monitor(),
+        exit: args.exit.exit()?,
         ..GenerateParams::default()
     };
     // Room for the prompt and the generated tokens: --max-seq-len, else the model's default (0),

@@ -9,11 +9,10 @@ use rayon::prelude::*;
 
 use crate::alloc;
 use crate::backend::cpu::{dot, CpuBackend, CpuLinear, CpuStep};
-use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
+use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual, StepInput};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::kv::{KvCache, KvSlot, TierBounds, TierMove};
-use crate::model::architecture::BlockNorms;
 
 /// Accumulated `Σ x xᵀ` (lower triangle, f64) over `rows` input rows.
 pub struct Hessian {
@@ -196,13 +195,21 @@ impl Backend for CaptureBackend {
 
     fn residual_norm(
         &self,
-        norm: &NormLayer<Vec<f32>>,
-        delta: &Vec<f32>,
+        residual: &Residual<Vec<f32>, Vec<f32>>,
         rows: usize,
         x: &mut Vec<f32>,
-        layout: BlockNorms,
     ) {
-        CpuBackend.residual_norm(norm, delta, rows, x, layout)
+        CpuBackend.residual_norm(residual, rows, x)
+    }
+
+    fn residual_norm_into(
+        &self,
+        residual: &Residual<Vec<f32>, Vec<f32>>,
+        x: &Vec<f32>,
+        rows: usize,
+        next: &mut Vec<f32>,
+    ) {
+        CpuBackend.residual_norm_into(residual, x, rows, next)
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, rows: usize, bias: &Vec<f32>) {

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{Backend, Chosen, NormLayer, StepInput};
+use crate::backend::{Backend, Chosen, NormLayer, Residual, StepInput};
 use crate::ctx_tier::{Tier, TierTracker};
 use crate::error::{Error, Result};
 use crate::kv::{Application, KvCache, KvLayout, KvSlot};
@@ -122,6 +122,9 @@ pub struct Buffers<B: Backend> {
     hidden_input: B::Float,
     /// A sublayer's output before its norm (sandwich layouts), `max_rows × dim`.
     delta: B::Float,
+    /// The stream's second buffer (sandwich layouts): an op that adds a pending sublayer output
+    /// writes the stream here, and the two swap ([`Pending`]).
+    x_next: B::Float,
     /// The loop input `adapter.input · e` of each row (loop adapter), `max_rows × dim`.
     loop_input: B::Float,
     /// The initial loop state of each staged row (random loop state), `max_rows × dim`.
@@ -168,9 +171,11 @@ impl<B: Backend> Buffers<B> {
         // Buffers of the architecture's optional parts hold one value when it lacks them.
         let rows_if = |needed: bool| if needed { rows(d) } else { Ok(1) };
         let adapter = arch.loop_input == LoopInput::Adapter;
+        let sandwich = arch.block_norms.has_out_norms();
         let optional_len = [
             if adapter { HIDDEN_ROWS * d } else { 1 },
-            rows_if(arch.block_norms.has_out_norms())?,
+            rows_if(sandwich)?,
+            rows_if(sandwich)?,
             rows_if(adapter)?,
             rows_if(arch.loop_state == LoopState::Random)?,
         ];
@@ -181,7 +186,7 @@ impl<B: Backend> Buffers<B> {
                 + HIDDEN_ROWS * d
                 + optional_len.iter().sum::<usize>())
             + 2 * (half_len.iter().sum::<usize>() + factor_len);
-        let [hidden_input, delta, loop_input, initial_state] =
+        let [hidden_input, delta, x_next, loop_input, initial_state] =
             optional_len.map(|len| backend.alloc_float(len));
         Ok(Buffers {
             max_rows,
@@ -198,6 +203,7 @@ impl<B: Backend> Buffers<B> {
             hidden: backend.alloc_float(HIDDEN_ROWS * d)?,
             hidden_input: hidden_input?,
             delta: delta?,
+            x_next: x_next?,
             loop_input: loop_input?,
             initial_state: initial_state?,
             state_init,
@@ -356,47 +362,94 @@ pub fn run<B: Backend>(
     let config = &w.config;
     let arch = &config.architecture;
     let body = buf.body.clone();
-    let apply = |buf: &mut Buffers<B>, app: Application| {
+    let mut pending = None;
+    let apply = |buf: &mut Buffers<B>, app: Application, pending: &mut _| {
         if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
             return Err(Error::Cancelled);
         }
-        let at = buf.kv.layout.at(app);
-        block_forward(backend, config, w.block(app, &body), &w.rope, buf, rows, at);
+        apply_block(backend, w, &body, buf, rows, app, pending);
         Ok(())
     };
     if span.start {
         embed(backend, w, buf, rows);
         for app in stage_blocks(Stage::Pre, config.n_pre_blocks) {
-            apply(buf, app)?;
+            apply(buf, app, &mut pending)?;
         }
     }
     for iteration in span.first..=span.last {
         if iteration == 1 {
+            settle(backend, config, buf, rows, pending.take());
             begin_loop(backend, w, buf, rows);
         }
         if let Some(adapter) = &w.adapter {
             // x = adapter.state · x + adapter.input · e, the second term computed at the start.
+            settle(backend, config, buf, rows, pending.take());
             let d = config.dim;
             backend.to_half(&buf.x, rows * d, &mut buf.h);
             backend.copy_rows(&buf.loop_input, 0, &mut buf.x, 0, rows, d);
             backend.linear(&buf.h, 0, rows, &adapter.state, &mut buf.x, true);
         }
         for app in iteration_blocks(config.n_loop_blocks, iteration) {
-            apply(buf, app)?;
+            apply(buf, app, &mut pending)?;
         }
         if arch.loop_norm == LoopNorm::EachIteration {
+            settle(backend, config, buf, rows, pending.take());
             norm_state(backend, w, buf, rows);
         }
     }
     if span.post {
         if arch.loop_norm == LoopNorm::AfterLoop {
+            settle(backend, config, buf, rows, pending.take());
             norm_state(backend, w, buf, rows);
         }
         for app in stage_blocks(Stage::Post, config.n_post_blocks) {
-            apply(buf, app)?;
+            apply(buf, app, &mut pending)?;
         }
     }
+    settle(backend, config, buf, rows, pending.take());
     Ok(())
+}
+
+/// The output norm of a sandwich sublayer whose output (in [`Buffers::delta`]) is not yet added
+/// to the residual stream: the next op that reads the stream adds it. A block whose attention
+/// product adds the previous block's output writes the stream to [`Buffers::x_next`] and its
+/// MLP product does the same with the attention's output, so each block swaps the two buffers
+/// twice or not at all, and the stream is in [`Buffers::x`] between blocks (as captured graphs
+/// and readers of the stream expect).
+type Pending<'a, B> = Option<NormLayer<'a, <B as Backend>::Vector>>;
+
+/// Block application `app` for the `rows` staged rows.
+fn apply_block<'a, B: Backend>(
+    backend: &B,
+    w: &'a Weights<B>,
+    body: &'a LoopBody<B>,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    app: Application,
+    pending: &mut Pending<'a, B>,
+) {
+    let at = buf.kv.layout.at(app);
+    let block = w.block(app, body);
+    block_forward(backend, &w.config, block, &w.rope, buf, rows, at, pending);
+}
+
+/// Add the pending sublayer output, if any, to the stream in place.
+fn settle<B: Backend>(
+    backend: &B,
+    config: &ModelConfig,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    pending: Pending<'_, B>,
+) {
+    if let Some(norm) = pending {
+        let layout = config.architecture.block_norms;
+        let residual = Residual {
+            norm,
+            delta: &buf.delta,
+            layout,
+        };
+        backend.residual_norm(&residual, rows, &mut buf.x);
+    }
 }
 
 /// The embedding of the staged tokens into the residual stream, scaled as the architecture says.
@@ -646,24 +699,46 @@ pub fn entropies<B: Backend>(backend: &B, buf: &Buffers<B>, rows: usize) -> Resu
     backend.entropies(&buf.step, rows)
 }
 
-fn block_forward<B: Backend>(
+#[allow(clippy::too_many_arguments)]
+fn block_forward<'a, B: Backend>(
     backend: &B,
     config: &ModelConfig,
-    block: Block<'_, B>,
+    block: Block<'a, B>,
     rope: &B::Float,
     buf: &mut Buffers<B>,
     rows: usize,
     at: KvSlot,
+    pending: &mut Pending<'a, B>,
 ) {
     let (vectors, linears) = (block.vectors, block.linears);
     let layout = config.architecture.block_norms;
 
     // Attention: f = attn_out · attention(rope(qkv · norm(x) + bias))
     let attn_norm = norm_layer(config, &vectors.attn_norm);
+    let carried = pending.take();
+    // Where the cache keeps h itself, h must exist (not be fused into the product).
+    let fused = carried.is_some() && !buf.kv.layout.mode.stores_input();
     if buf.kv.layout.mode.stores_input() {
-        // The cache keeps h itself, so h must exist (not be fused into the product).
+        settle(backend, config, buf, rows, carried);
         backend.norm(&attn_norm, &buf.x, rows, &mut buf.h);
         backend.linear(&buf.h, 0, rows, &linears.attn_qkv, &mut buf.qkv, false);
+    } else if let Some(norm) = carried {
+        let residual = Residual {
+            norm,
+            delta: &buf.delta,
+            layout,
+        };
+        backend.residual_norm_linear(
+            &residual,
+            &buf.x,
+            rows,
+            &mut buf.x_next,
+            &attn_norm,
+            &linears.attn_qkv,
+            &mut buf.h,
+            &mut buf.qkv,
+        );
+        std::mem::swap(&mut buf.x, &mut buf.x_next);
     } else {
         backend.norm_linear(
             &attn_norm,
@@ -692,29 +767,52 @@ fn block_forward<B: Backend>(
         None => backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.x, true),
         Some(out_norm) => {
             backend.linear(&buf.att, 0, rows, &linears.attn_out, &mut buf.delta, false);
-            let out_norm = norm_layer(config, out_norm);
-            backend.residual_norm(&out_norm, &buf.delta, rows, &mut buf.x, layout);
+            *pending = Some(norm_layer(config, out_norm));
         }
     }
 
     // MLP: f = mlp_down · (silu(mlp_gate · norm(x)) * (mlp_up · norm(x)))
     let mlp_norm = norm_layer(config, &vectors.mlp_norm);
-    backend.norm_mlp_gate_up(
-        &mlp_norm,
-        &buf.x,
-        rows,
-        &linears.mlp_gate,
-        &linears.mlp_up,
-        &mut buf.h,
-        (&mut buf.gate, &mut buf.up),
-        &mut buf.act,
-    );
+    match pending.take() {
+        Some(norm) if fused => {
+            let residual = Residual {
+                norm,
+                delta: &buf.delta,
+                layout,
+            };
+            backend.residual_norm_mlp_gate_up(
+                &residual,
+                &buf.x,
+                rows,
+                &mut buf.x_next,
+                &mlp_norm,
+                &linears.mlp_gate,
+                &linears.mlp_up,
+                &mut buf.h,
+                (&mut buf.gate, &mut buf.up),
+                &mut buf.act,
+            );
+            std::mem::swap(&mut buf.x, &mut buf.x_next);
+        }
+        unfused => {
+            settle(backend, config, buf, rows, unfused);
+            backend.norm_mlp_gate_up(
+                &mlp_norm,
+                &buf.x,
+                rows,
+                &linears.mlp_gate,
+                &linears.mlp_up,
+                &mut buf.h,
+                (&mut buf.gate, &mut buf.up),
+                &mut buf.act,
+            );
+        }
+    }
     match &vectors.mlp_out_norm {
         None => backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.x, true),
         Some(out_norm) => {
             backend.linear(&buf.act, 0, rows, &linears.mlp_down, &mut buf.delta, false);
-            let out_norm = norm_layer(config, out_norm);
-            backend.residual_norm(&out_norm, &buf.delta, rows, &mut buf.x, layout);
+            *pending = Some(norm_layer(config, out_norm));
         }
     }
 }

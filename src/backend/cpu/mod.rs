@@ -7,7 +7,9 @@ mod linear;
 
 use half::f16;
 
-use super::{choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, StepInput};
+use super::{
+    choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, Residual, StepInput,
+};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::generate::sampling;
@@ -211,16 +213,16 @@ impl Backend for CpuBackend {
 
     fn residual_norm(
         &self,
-        norm: &NormLayer<Vec<f32>>,
-        delta: &Vec<f32>,
+        residual: &Residual<Vec<f32>, Vec<f32>>,
         rows: usize,
         x: &mut Vec<f32>,
-        layout: BlockNorms,
     ) {
+        let norm = &residual.norm;
         let d = norm.weight.len();
         let mut normed = vec![0.0; d];
-        for (row, delta) in x.chunks_exact_mut(d).zip(delta.chunks_exact(d)).take(rows) {
-            match layout {
+        let deltas = residual.delta.chunks_exact(d);
+        for (row, delta) in x.chunks_exact_mut(d).zip(deltas).take(rows) {
+            match residual.layout {
                 BlockNorms::Pre => unreachable!("pre-norm blocks have no output norm"),
                 BlockNorms::Sandwich => {
                     normalize(norm, delta, &mut normed);
@@ -233,6 +235,18 @@ impl Backend for CpuBackend {
                 }
             }
         }
+    }
+
+    fn residual_norm_into(
+        &self,
+        residual: &Residual<Vec<f32>, Vec<f32>>,
+        x: &Vec<f32>,
+        rows: usize,
+        next: &mut Vec<f32>,
+    ) {
+        let len = rows * residual.norm.weight.len();
+        next[..len].copy_from_slice(&x[..len]);
+        self.residual_norm(residual, rows, next);
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, rows: usize, bias: &Vec<f32>) {

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use super::blas::Output;
 use super::driver::{Arg, DevBuf};
 use super::{blocks_for, kernels, CudaBackend};
-use crate::backend::{HostLinear, NormLayer, OwnedLinear};
+use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual};
 use crate::error::{Error, Result};
 use crate::format::{check_group_size, DType};
 use crate::model::config::NormKind;
@@ -309,22 +309,27 @@ impl CudaBackend {
         (w.fast && w.gemv_smem(kernels::GEMV_ROWS[ri]) <= limit).then_some(ri)
     }
 
-    /// [`Backend::norm_linear`]: fused into one GEMV for a decode row when the shapes allow.
+    /// [`Backend::norm_linear`] (and with `pending`, [`Backend::residual_norm_linear`]): fused
+    /// into one GEMV for a decode row when the shapes allow.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_then_linear(
         &self,
         norm: &NormLayer<CudaVector>,
         x: &DevBuf,
+        pending: Pending<'_, '_>,
         rows: usize,
         w: &CudaLinear,
         h: &mut DevBuf,
         out: &mut DevBuf,
     ) {
         if !self.fuses_norm(norm, rows, w) {
+            let x = self.settle(x, pending, rows);
             self.norm_rows(norm, x, rows, h);
             return self.matmul(h.ptr, rows, w, out.ptr, false);
         }
         let k = &self.gpu.kernels;
         let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
+        let [r0, r1, r2, r3, r4] = residual_args(pending);
         let args = [
             a0,
             a1,
@@ -340,6 +345,11 @@ impl CudaBackend {
             Arg::I(w.streamed.load(Ordering::Relaxed) as i32),
             Arg::P(out.ptr),
             Arg::I(0),
+            r0,
+            r1,
+            r2,
+            r3,
+            r4,
         ];
         let grid = (w.rows.div_ceil(256 / w.tpr as usize) as u32, 1, 1);
         let smem = w.gemv_smem(1);
@@ -353,12 +363,14 @@ impl CudaBackend {
         );
     }
 
-    /// [`Backend::norm_mlp_gate_up`]: fused into one GEMV for a decode row when the shapes allow.
+    /// [`Backend::norm_mlp_gate_up`] (and with `pending`, [`Backend::residual_norm_mlp_gate_up`]):
+    /// fused into one GEMV for a decode row when the shapes allow.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_then_gate_up(
         &self,
         norm: &NormLayer<CudaVector>,
         x: &DevBuf,
+        pending: Pending<'_, '_>,
         rows: usize,
         gate: &CudaLinear,
         up: &CudaLinear,
@@ -367,11 +379,13 @@ impl CudaBackend {
         out: &mut DevBuf,
     ) {
         if !(self.fuses_norm(norm, rows, gate) && same_shape(gate, up)) {
+            let x = self.settle(x, pending, rows);
             self.norm_rows(norm, x, rows, h);
             return self.gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
         }
         let k = &self.gpu.kernels;
         let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
+        let [r0, r1, r2, r3, r4] = residual_args(pending);
         let args = [
             a0,
             a1,
@@ -388,11 +402,28 @@ impl CudaBackend {
             Arg::I(gate.tpr as i32),
             Arg::I(gate.streamed.load(Ordering::Relaxed) as i32),
             Arg::P(out.ptr),
+            r0,
+            r1,
+            r2,
+            r3,
+            r4,
         ];
         let grid = (gate.rows.div_ceil(256 / gate.tpr as usize) as u32, 1, 1);
         let smem = gate.gemv_smem(1);
         let f = k.gemv_gateup_norm[gate.bits_index()];
         self.run("gemv_gateup_norm", f, grid, 256, smem, &args);
+    }
+
+    /// The stream a normalizing product reads: `x`, or with a pending sublayer output, `next`
+    /// once the output is added into it.
+    fn settle<'b>(&self, x: &'b DevBuf, pending: Pending<'_, 'b>, rows: usize) -> &'b DevBuf {
+        match pending {
+            None => x,
+            Some((residual, next)) => {
+                self.residual_norm_into(residual, x, rows, next);
+                next
+            }
+        }
     }
 
     /// [`Backend::mlp_gate_up`]: gate and up in one GEMV (SiLU fused) when they fit, else two
@@ -500,6 +531,23 @@ fn same_shape(gate: &CudaLinear, up: &CudaLinear) -> bool {
 }
 
 /// The leading arguments of the normalizing GEMV kernels: the f32 row and the norm layer.
+/// A pending sandwich sublayer output and the buffer that receives the stream with it added.
+pub(super) type Pending<'r, 'b> = Option<(&'r Residual<'r, CudaVector, DevBuf>, &'b mut DevBuf)>;
+
+/// The residual arguments of the normalizing GEMVs (`res_mode`, `delta`, `ow`, `ob`, `x_next`).
+fn residual_args(pending: Pending<'_, '_>) -> [Arg; 5] {
+    match pending {
+        None => [Arg::I(0), Arg::P(0), Arg::P(0), Arg::P(0), Arg::P(0)],
+        Some((residual, next)) => [
+            Arg::I(super::residual_mode(residual.layout)),
+            Arg::P(residual.delta.ptr),
+            Arg::P(residual.norm.weight.buf.ptr),
+            Arg::P(residual.norm.bias.map_or(0, |b| b.buf.ptr)),
+            Arg::P(next.ptr),
+        ],
+    }
+}
+
 fn norm_args(norm: &NormLayer<CudaVector>, x: &DevBuf) -> [Arg; 6] {
     [
         Arg::P(x.ptr),

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaStream};
 use half::f16;
 
-use super::{Backend, HostLinear, NormLayer, OwnedLinear, StepInput};
+use super::{Backend, HostLinear, NormLayer, OwnedLinear, Residual, StepInput};
 use crate::env::Vars;
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -385,12 +385,12 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// `norm_state_rows` in `mode` (cuda/elementwise.cu) over `rows` rows at `x`, reading the
-    /// rows at `delta` in modes 1 and 2.
+    /// `norm_state_rows` in `mode` (cuda/elementwise.cu) over `rows` rows from `x` into `out`
+    /// (may be `x`), reading the rows at `delta` in modes 1 and 2.
     fn norm_state_rows(
         &self,
         norm: &NormLayer<CudaVector>,
-        x: u64,
+        (x, out): (u64, u64),
         delta: u64,
         rows: usize,
         mode: i32,
@@ -404,6 +404,7 @@ impl CudaBackend {
             d * 4,
             &[
                 Arg::P(x),
+                Arg::P(out),
                 Arg::P(delta),
                 Arg::I(mode),
                 Arg::usize(d),
@@ -414,6 +415,15 @@ impl CudaBackend {
                 Arg::I(norm.bias.is_some() as i32),
             ],
         );
+    }
+}
+
+/// The `norm_state_rows` mode (and GEMV residual mode) of a pending sublayer output.
+fn residual_mode(layout: BlockNorms) -> i32 {
+    match layout {
+        BlockNorms::Pre => unreachable!("pre-norm blocks have no output norm"),
+        BlockNorms::Sandwich => 1,
+        BlockNorms::SandwichResidual => 2,
     }
 }
 
@@ -597,7 +607,7 @@ impl Backend for CudaBackend {
         h: &mut DevBuf,
         out: &mut DevBuf,
     ) {
-        self.norm_then_linear(norm, x, rows, w, h, out)
+        self.norm_then_linear(norm, x, None, rows, w, h, out)
     }
 
     fn norm_mlp_gate_up(
@@ -611,7 +621,7 @@ impl Backend for CudaBackend {
         scratch: (&mut DevBuf, &mut DevBuf),
         out: &mut DevBuf,
     ) {
-        self.norm_then_gate_up(norm, x, rows, gate, up, h, scratch, out)
+        self.norm_then_gate_up(norm, x, None, rows, gate, up, h, scratch, out)
     }
 
     fn mlp_gate_up(
@@ -675,23 +685,66 @@ impl Backend for CudaBackend {
 
     fn norm_state(&self, norm: &NormLayer<CudaVector>, x: &mut DevBuf, rows: usize) {
         // Mode 0 does not read delta.
-        self.norm_state_rows(norm, x.ptr, x.ptr, rows, 0);
+        self.norm_state_rows(norm, (x.ptr, x.ptr), x.ptr, rows, 0);
     }
 
-    fn residual_norm(
+    fn residual_norm(&self, residual: &Residual<CudaVector, DevBuf>, rows: usize, x: &mut DevBuf) {
+        let mode = residual_mode(residual.layout);
+        self.norm_state_rows(
+            &residual.norm,
+            (x.ptr, x.ptr),
+            residual.delta.ptr,
+            rows,
+            mode,
+        );
+    }
+
+    fn residual_norm_into(
         &self,
-        norm: &NormLayer<CudaVector>,
-        delta: &DevBuf,
+        residual: &Residual<CudaVector, DevBuf>,
+        x: &DevBuf,
         rows: usize,
-        x: &mut DevBuf,
-        layout: BlockNorms,
+        next: &mut DevBuf,
     ) {
-        let mode = match layout {
-            BlockNorms::Pre => unreachable!("pre-norm blocks have no output norm"),
-            BlockNorms::Sandwich => 1,
-            BlockNorms::SandwichResidual => 2,
-        };
-        self.norm_state_rows(norm, x.ptr, delta.ptr, rows, mode);
+        let mode = residual_mode(residual.layout);
+        self.norm_state_rows(
+            &residual.norm,
+            (x.ptr, next.ptr),
+            residual.delta.ptr,
+            rows,
+            mode,
+        );
+    }
+
+    fn residual_norm_linear(
+        &self,
+        residual: &Residual<CudaVector, DevBuf>,
+        x: &DevBuf,
+        rows: usize,
+        next: &mut DevBuf,
+        norm: &NormLayer<CudaVector>,
+        w: &CudaLinear,
+        h: &mut DevBuf,
+        out: &mut DevBuf,
+    ) {
+        self.norm_then_linear(norm, x, Some((residual, next)), rows, w, h, out)
+    }
+
+    fn residual_norm_mlp_gate_up(
+        &self,
+        residual: &Residual<CudaVector, DevBuf>,
+        x: &DevBuf,
+        rows: usize,
+        next: &mut DevBuf,
+        norm: &NormLayer<CudaVector>,
+        gate: &CudaLinear,
+        up: &CudaLinear,
+        h: &mut DevBuf,
+        scratch: (&mut DevBuf, &mut DevBuf),
+        out: &mut DevBuf,
+    ) {
+        let input = Some((residual, next));
+        self.norm_then_gate_up(norm, x, input, rows, gate, up, h, scratch, out)
     }
 
     fn add_bias(&self, x: &mut DevBuf, rows: usize, bias: &CudaVector) {
