@@ -9,6 +9,9 @@ of docs/PERF.md, not a quantized kernel comparison.
 The decode step uses a static KV cache (one slot per block application, like TinyLoop) and a
 position held in a device tensor, so the compiled step has static shapes and CUDA graphs apply.
 
+It runs TinyLoop's own architecture (every version-1 file); a version-2 file of another family
+(sandwich norms, a loop adapter, ...) is refused: bench/torch_peer.py runs those.
+
 usage: torch_baseline.py MODEL.tinyloop [--loops 8] [--prompt 128] [--steps 128] [--json]
        [--no-compile] [--prefill 512]
 """
@@ -25,20 +28,44 @@ import torch
 import torch.nn.functional as F
 
 
-def read_tinyloop(path, device):
-    """Config and tensors of a .tinyloop file (docs/FORMAT.md, version 1), on `device`.
+# config.architecture of docs/FORMAT.md version 2 when absent: TinyLoop's own architecture.
+ARCHITECTURE_DEFAULTS = {
+    "block_norms": "pre",
+    "qkv_bias": False,
+    "embed_scale": 1.0,
+    "loop_input": "none",
+    "loop_state": "carry",
+    "state_std": 0.0,
+    "loop_norm": "none",
+    "head_norm": True,
+    "exit_gate": False,
+    "exit_threshold": None,
+}
 
-    Returns (config, tensors, quant): tensors maps every name to its FP16 value (quantized weights
-    dequantized in f32, then rounded); quant maps each quantized weight to (codes uint8 [rows,
-    cols], scales f32 [rows, groups], zeros f32 [rows, groups], group size)."""
+
+def read_tinyloop(path, device):
+    """Config and tensors of a .tinyloop file (docs/FORMAT.md, versions 1 and 2), on `device`.
+
+    Returns (config, tensors, quant): config["architecture"] is always present (the defaults for
+    a version-1 file); tensors maps every name to its FP16 value (quantized weights dequantized in
+    f32, then rounded); quant maps each quantized weight to (codes uint8 [rows, cols], scales f32
+    [rows, groups], zeros f32 [rows, groups], group size)."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if mm[:8] != b"TINYLOOP":
         sys.exit(f"{path}: not a .tinyloop file")
     version, flags, header_len = struct.unpack_from("<IIQ", mm, 8)
-    if version != 1 or flags != 0:
+    if version not in (1, 2) or flags != 0:
         sys.exit(f"{path}: unsupported version {version} / flags {flags}")
     header = json.loads(mm[24 : 24 + header_len])
+    config = header["config"]
+    if version == 1 and "architecture" in config:
+        sys.exit(f"{path}: a version-1 file with config.architecture (a version-2 key)")
+    arch = config.get("architecture", {})
+    unknown = set(arch) - set(ARCHITECTURE_DEFAULTS)
+    if unknown:
+        sys.exit(f"{path}: unknown config.architecture keys {sorted(unknown)}")
+    config["architecture"] = {**ARCHITECTURE_DEFAULTS, **arch}
     data_start = (24 + header_len + 63) // 64 * 64
     tensors, quant = {}, {}
     for t in header["tensors"]:
@@ -65,7 +92,7 @@ def read_tinyloop(path, device):
             w = q.float().reshape(rows, cols // g, g) * scales.unsqueeze(-1) + zeros.unsqueeze(-1)
             tensors[name] = w.reshape(rows, cols).half()
             quant[name] = (q, scales, zeros, g)
-    return header["config"], tensors, quant
+    return config, tensors, quant
 
 
 class Weights(torch.nn.Module):
@@ -203,6 +230,9 @@ def main():
     device = "cuda"
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
     config, tensors, _ = read_tinyloop(args.model, device)
+    if config["architecture"] != ARCHITECTURE_DEFAULTS:
+        sys.exit(f"{args.model}: config.architecture {config['architecture']} is not TinyLoop's own; "
+                 "this baseline runs only that (bench/torch_peer.py runs the other families)")
     loops = args.loops or config["default_loops"]
     max_len = max(args.prompt + 4 * args.steps + 8, args.prefill)
     net = Net(config, tensors, max_len, loops, device)
