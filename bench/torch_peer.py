@@ -149,12 +149,10 @@ def initial_states(positions, dim, std, seed=0):
     TinyLoop uses by default, drawn on the host in f64 like TinyLoop's."""
     import numpy as np
 
-    # splitmix64's finalizer, on uint64 arrays (wrapping). Its second multiplier is the one
-    # src/model/state_init.rs uses, 0xBF58476C1CE4E5B9, so that the states are TinyLoop's;
-    # docs/FORMAT.md and splitmix64 have 0xBF58476D1CE4E5B9.
+    # splitmix64's finalizer, on uint64 arrays (wrapping).
     def mix(z):
         z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476C1CE4E5B9)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
 
