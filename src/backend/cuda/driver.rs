@@ -139,7 +139,7 @@ impl Arg {
     }
 }
 
-pub(crate) const MAX_ARGS: usize = 16;
+pub(crate) const MAX_ARGS: usize = 20;
 
 /// Launch `f` on `stream`. No allocation: arguments live in a stack array for the call.
 ///
