@@ -9,6 +9,10 @@
 // (max, sum, un-normalized output); the last of the split blocks to finish merges them
 // (flash-decoding, with the combine fused through a ticket counter).
 //
+// With `depth` set (a depth mask, src/kv/mod.rs `Depths`), positions t with depth[t] < need did
+// not reach this slot's loop iteration: their scores are -inf, so they take no weight. A warp or
+// split whose positions are all left out keeps m = -inf and l = 0, which the merges skip.
+//
 // With `rope` set (decode, one row), the kernel also does rope_kv's work: it rotates q, and the
 // block whose slice ends at the current position rotates that position's K and takes K and V
 // from shared memory instead of the cache; the first query head of each KV head writes them to
@@ -23,6 +27,9 @@
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_MAX_HD 256
+
+// Whether position t reached the iteration `need` under the depth mask (always without one).
+DEV bool reached(const unsigned* depth, unsigned need, int t) { return !depth || depth[t] >= need; }
 
 // Merge `splits` partials (max, sum, un-normalized output) of one (row, head) into `out` (hd
 // values), by the calling block (at most 128 splits). Reads go to L2 (__ldcg): the partials were
@@ -107,7 +114,8 @@ template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantiz
 DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
                    int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
                    const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits, f16_t* __restrict__ out, float* partial, int* tickets,
-                   const float* __restrict__ rope, const QuantKv& qk) {
+                   const float* __restrict__ rope, const QuantKv& qk,
+                   const unsigned* __restrict__ depth, unsigned need) {
     __shared__ __align__(16) float sq[ATT_MAX_HD];
     __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
@@ -186,7 +194,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 dot = fmaf(ks, dot_codes<DJ>(sq, k0 + slot_at, hd, (int)tr.codes, (hd & 31) == 0),
                            dot);
             }
-            score = __fmul_rn(dot, scale);
+            score = reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
             v_codes[warp][lane] = tr.codes_off[1] + ring_t * tr.row_bytes;
             v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
             v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
@@ -216,11 +224,14 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             } else {
                 for (int d = 0; d < hd; d++) dot = fmaf(sq[d], f16_to_f32(k[d]), dot);
             }
-            score = __fmul_rn(dot, scale);
+            score = reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
         }
         const float m_new = fmaxf(m, warp_max(score));
-        const float p = t < t_end ? expf(score - m_new) : 0.0f;
-        const float corr = expf(m - m_new);
+        // m_new is -inf only while every position so far was left out (a depth mask): nothing
+        // is summed yet, and the correction must not be exp(-inf + inf).
+        const bool none = m_new == NEG_INF;
+        const float p = t < t_end && !none ? expf(score - m_new) : 0.0f;
+        const float corr = none ? 1.0f : expf(m - m_new);
         l = l * corr + warp_sum(p);
 #pragma unroll
         for (int j = 0; j < DJ; j++) acc[j] *= corr;
@@ -338,21 +349,22 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 }
 
 // grid (n_heads, rows, splits), ATT_THREADS threads. f16 entries of `slot` (K at kc + slot *
-// slot_stride, V likewise), positions kv_dim apart.
+// slot_stride, V likewise), positions kv_dim apart. `depth`: the depth mask, or null.
 #define ATTENTION_KERNEL(DJ)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
         const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, f16_t* out, \
-        float* partial, int* tickets, const float* rope) {                                         \
+        float* partial, int* tickets, const float* rope, const unsigned* depth, unsigned need) {   \
         const QuantKv none = {};                                                                   \
         attention<DJ, false>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, slot_stride, \
-                             splits, out, partial, tickets, rope, none);                           \
+                             splits, out, partial, tickets, rope, none, depth, need);              \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_q_dj##DJ(                  \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        int splits, f16_t* out, float* partial, int* tickets, const __grid_constant__ QuantKv qk) { \
+        int splits, f16_t* out, float* partial, int* tickets, const unsigned* depth,               \
+        unsigned need, const __grid_constant__ QuantKv qk) {                                       \
         attention<DJ, true>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr, 0, 0,     \
-                            splits, out, partial, tickets, nullptr, qk);                           \
+                            splits, out, partial, tickets, nullptr, qk, depth, need);              \
     }
 
 ATTENTION_KERNEL(1)

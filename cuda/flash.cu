@@ -18,6 +18,11 @@
 // finishes last may do it. Positions past the step's last row are zero in shared memory, so
 // stale cache entries never reach a product.
 //
+// With a depth mask (`depth` not null, src/kv/mod.rs `Depths`), positions t with depth[t] < need
+// did not reach this slot's loop iteration and are masked like positions past a row's own. A part
+// may then sum nothing for a row (m = -inf, l = 0); the row's own position is never masked, so
+// the other part's m is finite and the merge gives the empty part a factor 0.
+//
 // K and V tiles are double-buffered in dynamic shared memory (sized by src/backend/cuda/flash.rs):
 // the next tile's cp.async copies run while the tensor cores work on this one. Fragments come
 // from shared memory through ldmatrix (K as stored; V transposed), rows padded by 16 bytes so
@@ -92,7 +97,8 @@ DEV void flash_attention(const float* __restrict__ qkv, const float* __restrict_
                          int n_heads, int n_kv_heads, float scale, const f16_t* __restrict__ kc,
                          const f16_t* __restrict__ vc, long long slot_offset,
                          f16_t* __restrict__ out, int* __restrict__ tickets,
-                         float* __restrict__ partials) {
+                         float* __restrict__ partials, const unsigned* __restrict__ depth,
+                         unsigned need) {
     constexpr int SROW = HD + 8; // halves per shared row: padded so fragment loads avoid conflicts
     constexpr int NT = FA_BK / 8; // 8-position column blocks of S
     // Shared memory: K stages 0 and 1, then V stages 0 and 1, each FA_BK rows of SROW halves.
@@ -262,6 +268,18 @@ DEV void flash_attention(const float* __restrict__ qkv, const float* __restrict_
                         if (e >= 2 ? !in1 || p > pos1 : !in0 || p > pos0) s[j][e] = NEG_INF;
                     }
             }
+            if (depth) {
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int p = k0 + 8 * j + 2 * t + e;
+                        if (p <= last && depth[p] < need) {
+                            s[j][e] = NEG_INF;
+                            s[j][e + 2] = NEG_INF;
+                        }
+                    }
+            }
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -353,7 +371,8 @@ DEV void flash_attention(const float* __restrict__ qkv, const float* __restrict_
     __syncthreads();
 
     // Merge: part A's row sums with part B's, rows that sum no tile of a part (m = -inf, l = 0,
-    // o = 0) taking a factor 0 for it. Every row sums tile 0 in part A, so M is finite.
+    // o = 0) taking a factor 0 for it. Every row sums tile 0 in part A, and the tile of its own
+    // position (never masked), so M is finite.
     float fa[2], fb[2], inv_l[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -401,19 +420,19 @@ DEV void flash_attention(const float* __restrict__ qkv, const float* __restrict_
 // and vc + slot_offset (f16 values), positions kv_dim apart; the host checks 16-byte alignment
 // of rows and launches with 2 stages x (K, V) x FA_BK x (HD + 8) halves of dynamic shared memory.
 // tickets (zero between launches) and partials hold a slot per (query tile, head): an int,
-// FA_BQ x (HD + 2) floats.
+// FA_BQ x (HD + 2) floats. `depth`: the depth mask, or null.
 #define FLASH_KERNEL(HD)                                                                           \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)                        \
         flash_attention_hd##HD(const float* qkv, const float* rope, const int* step, int rows,     \
                                int n_heads, int n_kv_heads, float scale, const f16_t* kc,          \
                                const f16_t* vc, long long slot_offset, f16_t* out, int* tickets,   \
-                               float* partials) {                                                  \
+                               float* partials, const unsigned* depth, unsigned need) {            \
         if ((blockIdx.x / n_heads) % 2 == 0)                                                       \
             flash_attention<HD, 0>(qkv, rope, step, rows, n_heads, n_kv_heads, scale, kc, vc,      \
-                                   slot_offset, out, tickets, partials);                           \
+                                   slot_offset, out, tickets, partials, depth, need);              \
         else                                                                                       \
             flash_attention<HD, 1>(qkv, rope, step, rows, n_heads, n_kv_heads, scale, kc, vc,      \
-                                   slot_offset, out, tickets, partials);                           \
+                                   slot_offset, out, tickets, partials, depth, need);              \
     }
 
 FLASH_KERNEL(16)

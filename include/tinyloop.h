@@ -186,12 +186,17 @@ typedef struct tl_generate_params {
     // threshold. Read by `tl_generate`, `tl_generate_stream`, their session forms and the
     // score calls with an exit.
     double exit_threshold;
-    // Adaptive exit rule: "gate" (the model's own threshold) or "gate:T". NULL (default): none.
-    // Setting both this and `exit_threshold` is rejected.
+    // Adaptive exit rule: "gate" (the model's own threshold) or "gate:T", or one of Huginn's
+    // criteria "entropy-diff", "latent-diff", "cosine", "kl", "minp-kl" (each with an optional
+    // ":T") or "argmax-stability" / "argmax" (optional ":N") (docs/ABI.md "Adaptive exit").
+    // NULL (default): none. Setting both this and `exit_threshold` is rejected.
     const char *exit;
-    // With an exit rule: "reference" (NULL, the default: every iteration runs, the output is
-    // the exit iteration's, as the model's own code computes) or "skip" (generated tokens stop
-    // at their exit iteration; KV modes fp16, fp16-h, int8-h, int4-h and int8).
+    // With an exit rule: "reference" (NULL, the default: as the model's own code computes;
+    // with the gate every iteration runs and the output is the exit iteration's, with a
+    // criterion a call stops at its exit and deeper iterations of later tokens leave it out) or
+    // "skip" (generated tokens, and with a criterion every call, stop at their exit iteration
+    // and copy its KV entries into the skipped slots; KV modes fp16, fp16-h, int8-h, int4-h and
+    // int8).
     const char *exit_policy;
 } tl_generate_params;
 

@@ -60,6 +60,7 @@ pub use ctx_tier::{CtxTier, CtxTierStats, Tier};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use format::ModelFile;
+pub use generate::criteria::Criterion;
 pub use generate::exit::{Exit, ExitPolicy, ExitRule};
 pub use generate::lens::TrajectoryPoint;
 pub use generate::sampling::SamplingParams;

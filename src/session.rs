@@ -244,7 +244,9 @@ impl Session {
     }
 
     /// [`Session::score`] with an exit rule (reference policy): each position's logits are those
-    /// of its exit iteration, returned beside the logits.
+    /// of its exit iteration, returned beside the logits. The gate decides per position; a
+    /// criterion decides for the call, from its last position (every position gets the call's
+    /// exit iteration).
     pub fn score_exit(
         &mut self,
         tokens: &[u32],
@@ -384,10 +386,11 @@ impl Session {
     /// Bytes of device memory this session holds (buffers, step scratch and KV cache).
     pub fn memory_bytes(&self) -> usize {
         match &self.state {
-            SessionState::Cpu(buf) => buf.bytes + buf.kv.bytes(),
+            SessionState::Cpu(buf) => buf.bytes + buf.kv.bytes() + depth_bytes(&buf.kv),
             SessionState::Cuda(s) => {
                 let b = &s.buffers;
-                b.bytes + b.kv.bytes() + b.step().bytes() + s.backend.own_bytes()
+                let kv = b.kv.bytes() + depth_bytes(&b.kv);
+                b.bytes + kv + b.step().bytes() + s.backend.own_bytes()
             }
         }
     }
@@ -588,6 +591,11 @@ impl Session {
         }
         Ok(loops)
     }
+}
+
+/// Bytes of a KV cache's depth mask (none until a call stops positions early).
+fn depth_bytes<S>(kv: &crate::kv::KvCache<S>) -> usize {
+    kv.depths.bytes(kv.layout.capacity)
 }
 
 impl Drop for Session {

@@ -219,6 +219,10 @@ fn bad_input_exits_with_one_clear_line() {
             "unknown device",
         ),
         (
+            vec![&m, "generate", "--prompt", "x", "--exit", "kl:x"],
+            "exit rule \"kl:x\": expected gate or gate:T",
+        ),
+        (
             vec![&m, "score", "--file", "/missing.txt"],
             "cannot read /missing.txt",
         ),
@@ -1028,7 +1032,7 @@ fn text_options_fail_with_one_line_naming_the_problem() {
 
 /// `convert --hf` of both families' checkpoint folders: round to nearest and GPTQ (calibrated on
 /// text through the folder's tokenizer); the files load and generate text through their stored
-/// tokenizer, with Ouro's exit gate and Huginn's seeded initial state.
+/// tokenizer, with Ouro's exit gate and Huginn's seeded initial state and an exit criterion.
 #[test]
 fn convert_hf_writes_models_that_generate_text() {
     let dir = common::scratch("cli-hf");
@@ -1036,7 +1040,10 @@ fn convert_hf_writes_models_that_generate_text() {
     let calib = format!("{root}/tests/data/train_excerpt.txt");
     for (family, run) in [
         ("ouro-tiny", vec!["--exit-threshold", "0.5"]),
-        ("huginn-tiny", vec!["--state-init", "seed:7"]),
+        (
+            "huginn-tiny",
+            vec!["--state-init", "seed:7", "--exit", "kl:1e-3"],
+        ),
     ] {
         let folder = format!("{root}/tests/data/hf/{family}");
         for method in ["rtn", "gptq"] {

@@ -99,7 +99,7 @@ use tinyloop::backend::{
 };
 use tinyloop::format::DType;
 use tinyloop::generate::sampling::{Rng, SamplingParams};
-use tinyloop::kv::{Application, KvCache, KvLayout, KvMode, TierBounds};
+use tinyloop::kv::{Application, DepthMask, KvCache, KvLayout, KvMode, TierBounds, ALL_DEPTHS};
 use tinyloop::model::forward::{chosen_token, decode_step, forward, Buffers, Decode};
 use tinyloop::model::layout::Stage;
 use tinyloop::model::quant::{f16_to_bytes, quantize_rtn};
@@ -504,7 +504,20 @@ fn kv_cache<B: Backend>(
         layout,
         slots,
         bounds: Default::default(),
+        depths: Default::default(),
     }
+}
+
+/// Write `depths` for positions `first..` into the cache's depth mask (made, and on, at first).
+fn write_depths<B: Backend>(b: &B, kv: &mut KvCache<B::KvStorage>, first: usize, depths: &[u32]) {
+    if kv.depths.mask.is_none() {
+        let storage = b.alloc_kv(4 * kv.layout.capacity).unwrap();
+        kv.depths.mask = Some(DepthMask { storage, on: true });
+        write_depths(b, kv, 0, &vec![ALL_DEPTHS; kv.layout.capacity]);
+    }
+    let bytes: Vec<u8> = depths.iter().flat_map(|d| d.to_le_bytes()).collect();
+    let mask = kv.depths.mask.as_mut().unwrap();
+    b.kv_write(&mut mask.storage, 4 * first, &bytes).unwrap();
 }
 
 /// Inputs of one KV op test: per step, the qkv and h rows of two loop iterations.
@@ -516,8 +529,9 @@ struct KvInputs {
 
 /// Store + attention for two loop iterations per step through `rope_attention` (the forward
 /// pass's entry, so the fused fp16 decode path runs for one-row steps), moving age tiers as the
-/// forward pass does. Returns per step and iteration the attention output, then the cache bytes
-/// of the slots.
+/// forward pass does. With `depths` (one per position), each step's positions take theirs once
+/// the step has run, as the depth mask of a call that stopped them early. Returns per step and
+/// iteration the attention output, then the cache bytes of the slots.
 fn kv_ops_on<B: Probe>(
     b: &B,
     mode: KvMode,
@@ -525,6 +539,7 @@ fn kv_ops_on<B: Probe>(
     capacity: usize,
     inputs: &KvInputs,
     w_qkv: &HostLinear,
+    depths: Option<&[u32]>,
 ) -> (Vec<Vec<f32>>, Vec<u8>) {
     let rope = float_buf(b, &rope_table(capacity, heads.head_dim, 10000.0).unwrap());
     let w = b.upload_linear(w_qkv).unwrap();
@@ -556,6 +571,9 @@ fn kv_ops_on<B: Probe>(
             let mut att = b.alloc_half(rows * heads.q_dim()).unwrap();
             b.rope_attention(&mut q, &h, &step, rows, &rope, &mut kv, *at, &w, &mut att);
             out.push(b.read_half(&att, rows * heads.q_dim()));
+        }
+        if let Some(depths) = depths {
+            write_depths(b, &mut kv, start, &depths[start..start + rows]);
         }
     }
     let slot_bytes = kv.layout.scratch_offset(kv.slots);
@@ -648,8 +666,8 @@ fn cuda_kv_modes_match_cpu() {
                 group_size,
                 bytes: &bytes,
             };
-            let (c, cb) = kv_ops_on(&cpu, mode, heads, capacity, &inputs, &w);
-            let (g, gb) = kv_ops_on(&gpu, mode, heads, capacity, &inputs, &w);
+            let (c, cb) = kv_ops_on(&cpu, mode, heads, capacity, &inputs, &w, None);
+            let (g, gb) = kv_ops_on(&gpu, mode, heads, capacity, &inputs, &w, None);
             let differing = cb.iter().zip(&gb).filter(|(x, y)| x != y).count();
             assert_eq!(
                 differing, 0,
@@ -677,6 +695,105 @@ fn cuda_kv_modes_match_cpu() {
              (tol {tol:.1e}), worst step {worst:.2e} (tol {step_tol:.1e})"
         ));
     }
+}
+
+/// The depth mask of exit criteria (reference policy): attention in iteration 2 leaves out the
+/// positions that stopped after iteration 1, in every mode's kernel (decode with its position
+/// splits, the fused fp16 decode, the flash kernel of multi-row fp16 steps, the quantized and
+/// the h modes' paths), as the CPU reference does. Every third position and positions 64..128
+/// (whole warps, key tiles and splits with nothing to read) stop early. Tolerances and shapes as
+/// `cuda_kv_modes_match_cpu`.
+#[test]
+fn cuda_depth_mask_matches_cpu() {
+    if !cuda_or_skip("cuda_depth_mask_matches_cpu") {
+        return;
+    }
+    let cpu = CpuBackend;
+    let engine = gpu();
+    let mut rng = Rng::new(31);
+    let mut failures = Vec::new();
+    for mode in MODES {
+        let mode: KvMode = mode.parse().unwrap();
+        let p_f16 = if mode == KvMode::Fp16 { P_F16_TOL } else { 0.0 };
+        let step_tol = if mode.stores_input() {
+            2.0 * CHAIN_TOL
+        } else {
+            CHAIN_TOL + p_f16
+        };
+        for (n_heads, n_kv_heads, head_dim) in [(4, 2, 16), (8, 8, 64)] {
+            let heads = AttentionShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            let config = ModelConfig {
+                dim: n_heads * head_dim,
+                n_heads,
+                n_kv_heads,
+                ..preset("tiny").unwrap()
+            };
+            let gpu = engine.session(&config).unwrap();
+            let capacity = 300;
+            let mut steps = vec![(0, 37)];
+            steps.extend((37..45).map(|p| (p, 1)));
+            steps.extend([(45, 3), (48, 100), (148, 1), (149, 70), (219, 1)]);
+            let depths: Vec<u32> = (0..capacity)
+                .map(|p| {
+                    if p % 3 == 1 || (64..128).contains(&p) {
+                        1
+                    } else {
+                        ALL_DEPTHS
+                    }
+                })
+                .collect();
+            let dim = heads.q_dim();
+            let inputs = KvInputs {
+                qkv: steps
+                    .iter()
+                    .map(|&(_, r)| [0, 1].map(|_| randn(&mut rng, r * heads.qkv_dim(), 1.5)))
+                    .collect(),
+                h: steps
+                    .iter()
+                    .map(|&(_, r)| [0, 1].map(|_| randn(&mut rng, r * dim, 1.0)))
+                    .collect(),
+                steps: steps.clone(),
+            };
+            let (dtype, group_size, bytes) = host_weight(&mut rng, heads.qkv_dim(), dim, 4, 32);
+            let w = HostLinear {
+                rows: heads.qkv_dim(),
+                cols: dim,
+                dtype,
+                group_size,
+                bytes: &bytes,
+            };
+            let masked = Some(depths.as_slice());
+            let (c, _) = kv_ops_on(&cpu, mode, heads, capacity, &inputs, &w, masked);
+            let (g, _) = kv_ops_on(&gpu, mode, heads, capacity, &inputs, &w, masked);
+            let (plain, _) = kv_ops_on(&cpu, mode, heads, capacity, &inputs, &w, None);
+            for (i, (ca, ga)) in c.iter().zip(&g).enumerate() {
+                let e = rel(ga, ca);
+                if e > step_tol || e.is_nan() {
+                    failures.push(format!(
+                        "{mode} heads {heads:?} step {} iteration {}: rel error {e:.3e}",
+                        i / 2,
+                        i % 2 + 1
+                    ));
+                }
+            }
+            // The mask changes iteration 2 after the first step, never iteration 1.
+            let changed = |it: usize| {
+                (2..2 * steps.len())
+                    .filter(|i| i % 2 == it)
+                    .any(|i| c[i] != plain[i])
+            };
+            if changed(0) || !changed(1) {
+                failures.push(format!(
+                    "{mode} heads {heads:?}: the mask applies to the wrong iteration"
+                ));
+            }
+        }
+    }
+    finish("cuda_depth_mask_matches_cpu", failures);
 }
 
 /// Multi-row steps in the fp16 KV mode (the tensor-core kernel, cuda/flash.cu) against the CPU
@@ -753,8 +870,8 @@ fn cuda_flash_attention_matches_cpu() {
                     .collect(),
                 steps: steps.to_vec(),
             };
-            let (c, cb) = kv_ops_on(&cpu, KvMode::Fp16, heads, 600, &inputs, &w);
-            let (g, gb) = kv_ops_on(&gpu, KvMode::Fp16, heads, 600, &inputs, &w);
+            let (c, cb) = kv_ops_on(&cpu, KvMode::Fp16, heads, 600, &inputs, &w, None);
+            let (g, gb) = kv_ops_on(&gpu, KvMode::Fp16, heads, 600, &inputs, &w, None);
             if cb != gb {
                 failures.push(format!(
                     "flash heads {heads:?} steps {steps:?}: cache bytes"
@@ -1601,6 +1718,102 @@ fn cuda_exit_rule_matches_the_reference() {
         failures.push(format!("skip: gpu {gpu_skip:?}, cpu {cpu_skip:?}"));
     }
     finish("cuda_exit_rule_matches_the_reference", failures);
+}
+
+/// Huginn's exit criteria on the GPU (tests/data/hf/huginn-tiny): generation with three of them
+/// (16 tokens, at most 32 iterations per call, zero initial state) gives the reference code's
+/// tokens and iterations, its later tokens attending through the depth mask in the decode
+/// kernel. With the prompt cut into steps of 5 rows (each a call of its own: multi-row steps
+/// attend through the depth mask in the flash kernel) and in KV mode int8 (the quantized
+/// kernel), the GPU generates what the CPU generates.
+#[test]
+fn cuda_exit_criteria_match_the_reference() {
+    if !cuda_or_skip("cuda_exit_criteria_match_the_reference") {
+        return;
+    }
+    use tinyloop::{Exit, ExitPolicy};
+    let (dir, out) = converted_hf("huginn-tiny");
+    let reference = dir.join("reference");
+    let ints = |file: &str| -> Vec<u32> {
+        std::fs::read(reference.join(file))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
+            .unwrap();
+    let prompt: Vec<u32> = json["generation_prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let open_with = |device, kv_mode, prefill_chunk| {
+        let options = ModelOptions {
+            device: Some(device),
+            max_seq_len: 64,
+            kv_mode: Some(kv_mode),
+            prefill_chunk,
+            state_init: tinyloop::StateInit::Zeros,
+            log: false,
+            ..ModelOptions::default()
+        };
+        Model::open(&out, &options).unwrap()
+    };
+    let generate = |model: &Model, rule: &str| {
+        let params = GenerateParams {
+            max_tokens: 16,
+            loops: Some(32),
+            exit: Some(Exit {
+                rule: rule.parse().unwrap(),
+                policy: ExitPolicy::Reference,
+            }),
+            ..GenerateParams::default()
+        };
+        let mut s = model.new_session().unwrap();
+        let tokens = s.generate(&prompt, &params).unwrap();
+        (tokens, s.last_generate_stats().exit_steps)
+    };
+    let mut failures = Vec::new();
+    let gpu = open_with(Device::Cuda(0), KvMode::Fp16, 0);
+    // The runs whose values stay farthest from their thresholds (relative margins 8e-2, 4e-2).
+    let runs = [
+        ("kl_explicit", "kl:0.005"),
+        ("entropy_diff_explicit", "entropy-diff:0.02"),
+        ("argmax_stability_explicit", "argmax-stability:2"),
+    ];
+    for (name, rule) in runs {
+        let expected = (
+            ints(&format!("adaptive_{name}_tokens.i32")),
+            ints(&format!("adaptive_{name}_steps.i32")),
+        );
+        let got = generate(&gpu, rule);
+        report(&format!("{rule}: gpu exits {:?}", got.1));
+        if got != expected {
+            failures.push(format!("{rule}: gpu {got:?}, reference {expected:?}"));
+        }
+    }
+    for (kv_mode, chunk) in [(KvMode::Fp16, 5), (KvMode::Int8, 0)] {
+        let (gpu, cpu) = (
+            open_with(Device::Cuda(0), kv_mode, chunk),
+            open_with(Device::Cpu, kv_mode, chunk),
+        );
+        for (_, rule) in runs {
+            let (on_gpu, on_cpu) = (generate(&gpu, rule), generate(&cpu, rule));
+            report(&format!(
+                "{rule} {kv_mode} chunk {chunk}: gpu exits {:?}, cpu exits {:?}",
+                on_gpu.1, on_cpu.1
+            ));
+            if on_gpu != on_cpu {
+                failures.push(format!(
+                    "{rule} {kv_mode} chunk {chunk}: gpu {on_gpu:?}, cpu {on_cpu:?}"
+                ));
+            }
+        }
+    }
+    finish("cuda_exit_criteria_match_the_reference", failures);
 }
 
 /// Group size 16: every linear takes the generic (elementwise-dequantize) kernel.

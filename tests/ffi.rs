@@ -985,14 +985,15 @@ fn model_params_state_init_is_checked() {
 }
 
 /// The exit fields of `tl_generate_params`: each bad value is refused naming its field or the
-/// reason; a threshold or a rule works on a model with an exit gate.
+/// reason; a threshold or a gate rule works on a model with an exit gate, a criterion on any.
 #[test]
 fn generate_params_exit_is_checked() {
     let gated = open(&model_file("tiny-sandwich"), 128);
     let plain = open(&model_file("tiny"), 128);
     let c = |s: &str| CString::new(s).unwrap();
     let (gate, own, bad_rule, skip, bad_policy) =
-        (c("gate:0.5"), c("gate"), c("kl:1e-3"), c("skip"), c("all"));
+        (c("gate:0.5"), c("gate"), c("kl:1e-3x"), c("skip"), c("all"));
+    let (kl, argmax) = (c("kl:1e-3"), c("argmax:1"));
     let with = |threshold: f64, rule: &CString, policy: Option<&CString>| {
         let mut p = gen_params(4);
         p.exit_threshold = threshold;
@@ -1051,6 +1052,14 @@ fn generate_params_exit_is_checked() {
             tl_status::TL_ERR_INVALID_ARGUMENT,
             "no exit gate",
         ),
+        (&plain, with(-1.0, &kl, None), tl_status::TL_OK, ""),
+        (
+            &plain,
+            with(-1.0, &argmax, Some(&skip)),
+            tl_status::TL_OK,
+            "",
+        ),
+        (&gated, with(-1.0, &kl, None), tl_status::TL_OK, ""),
     ] {
         let (status, tokens) = generate(model, &PROMPT, &p);
         assert_eq!(status, expect, "{}", last_error());

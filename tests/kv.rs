@@ -232,6 +232,7 @@ fn age_moves_entries_at_both_boundaries() {
                 slots: layout.slots(2),
                 layout,
                 bounds: TierBounds::default(),
+                depths: Default::default(),
             };
             let mut step = CpuBackend.alloc_step(1).unwrap();
             let h = vec![0f32; config.dim];

@@ -270,11 +270,15 @@ struct GenerateOptions {
     /// BETA-MON this call with these thresholds: its summary is then in last_generate_stats()
     /// (`beta_mon` true). Empty: monitored only when TINYLOOP_BETA_MONITOR=1.
     std::optional<BetaMonitor> beta_monitor;
-    /// Adaptive exit on a model with an exit gate (Ouro, docs/ABI.md "Adaptive exit"):
-    /// exit_threshold, in [0, 1], or exit ("gate": the model's own threshold, or "gate:T"; not
-    /// both) takes each token from the first loop iteration whose cumulative exit probability
-    /// reaches the threshold; empty: no exit rule. exit_policy "reference" (also empty: every
-    /// iteration still runs) or "skip" (generated tokens stop at their exit iteration).
+    /// Adaptive exit (docs/ABI.md "Adaptive exit"): exit_threshold, in [0, 1], or exit ("gate":
+    /// the model's own threshold, or "gate:T"; not both) takes each token from the first loop
+    /// iteration whose cumulative exit probability reaches the threshold, on a model with an
+    /// exit gate (Ouro). exit also takes Huginn's criteria, on any model: "entropy-diff",
+    /// "latent-diff", "cosine", "kl", "minp-kl" (each optionally ":T") and "argmax-stability"
+    /// or "argmax" (optionally ":N"), which stop each call at the first iteration where they
+    /// fire; empty: no exit rule. exit_policy "reference" (also empty: the model's own code's
+    /// semantics) or "skip" (generated tokens stop at their exit iteration and copy its KV into
+    /// the slots they skip).
     /// generate, generate_stream, generate_text and generate_text_stream only;
     /// last_generate_stats() then has exit_tokens and exit_mean_steps.
     std::optional<double> exit_threshold;

@@ -157,7 +157,7 @@ func TestBadExitOptions(t *testing.T) {
 		{withExit(&over, "", ""), "exit_threshold"},
 		{withExit(&negative, "", ""), "ExitThreshold"},
 		{withExit(&nan, "", ""), "exit_threshold"},
-		{withExit(nil, "kl:1", ""), "exit rule"},
+		{withExit(nil, "kl:x", ""), "exit rule"},
 		{withExit(half(), "gate:0.5", ""), "exit_threshold or exit, not both"},
 		{withExit(nil, "", "skip"), "exit_policy is set without an exit rule"},
 		{withExit(nil, "gate:0.5", "fast"), "exit_policy"},
@@ -185,6 +185,23 @@ func TestAnExitRuleNeedsAnExitGate(t *testing.T) {
 		wantStatus(t, err, StatusInvalidArgument, "an exit rule on tiny")
 		if !strings.Contains(err.Error(), "no exit gate") {
 			t.Fatalf("%v does not say no exit gate", err)
+		}
+	}
+}
+
+func TestAnExitCriterionNeedsNoGate(t *testing.T) {
+	m, err := openFamily(t, synth(t, "tiny-recurrent"), "zeros")
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	ctx := context.Background()
+	for _, rule := range []string{"kl:1e-3", "argmax-stability:1", "latent-diff"} {
+		for _, policy := range []string{"", "skip"} {
+			out, err := m.Generate(ctx, prompt, withExit(nil, rule, policy))
+			if err != nil || len(out) != 12 {
+				t.Fatalf("Generate with Exit %q, ExitPolicy %q: %v %v", rule, policy, out, err)
+			}
+			checkExitStats(t, &m.runner, len(out))
 		}
 	}
 }

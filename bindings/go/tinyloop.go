@@ -126,12 +126,15 @@ type GenerateOptions struct {
 	// DefaultBetaMonitor()); the summary is then GenerateStats.BetaMon. nil: monitored only when
 	// the environment says so (TINYLOOP_BETA_MONITOR=1).
 	BetaMonitor *BetaMonitor
-	// Adaptive exit on a model with an exit gate (Ouro, docs/ABI.md "Adaptive exit"):
-	// ExitThreshold, in [0, 1], or Exit ("gate": the model's own threshold, or "gate:T"; not
-	// both) takes each token from the first loop iteration whose cumulative exit probability
-	// reaches the threshold. nil and "": no exit rule. ExitPolicy "reference" (also "": every
-	// iteration still runs) or "skip" (generated tokens stop at their exit iteration). Generate,
-	// GenerateStream, GenerateText and GenerateTextStream only.
+	// Adaptive exit (docs/ABI.md "Adaptive exit"): ExitThreshold, in [0, 1], or Exit ("gate":
+	// the model's own threshold, or "gate:T"; not both) takes each token from the first loop
+	// iteration whose cumulative exit probability reaches the threshold, on a model with an
+	// exit gate (Ouro). Exit also takes Huginn's criteria, on any model: "entropy-diff",
+	// "latent-diff", "cosine", "kl", "minp-kl" (each optionally ":T") and "argmax-stability"
+	// or "argmax" (optionally ":N"), which stop each call at the first iteration where they
+	// fire. nil and "": no exit rule. ExitPolicy "reference" (also "": the model's own code's
+	// semantics) or "skip" (generated tokens stop at their exit iteration and copy its KV into
+	// the slots they skip). Generate, GenerateStream, GenerateText and GenerateTextStream only.
 	ExitThreshold *float64
 	Exit          string
 	ExitPolicy    string

@@ -159,6 +159,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
         bytes: usize,
     ) -> Result<()>;
 
+    /// Copy host `bytes` to `offset` of a KV storage, in stream order (the depth mask of
+    /// [`crate::kv::Depths`], which attention reads from the storage it is kept in).
+    fn kv_write(&self, storage: &mut Self::KvStorage, offset: usize, bytes: &[u8]) -> Result<()>;
+
     /// Copy `rows` rows of `width` values from row `from_row` of `from` to row `to_row` of `to`
     /// (saving and restoring residual streams).
     #[allow(clippy::too_many_arguments)]
@@ -356,9 +360,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
 
     /// Causal attention of the staged rows' (rotated) queries over positions `0..=pos` of the
-    /// cache entries at `at`; output rounded to f16, `rows × n_heads·head_dim`. The h modes
-    /// first recompute K and V of those positions with the K and V rows of `qkv_weight` (into
-    /// the cache's scratch).
+    /// cache entries at `at`; output rounded to f16, `rows × n_heads·head_dim`. Positions the
+    /// cache's depth mask ([`crate::kv::Depths::mask`]) says did not reach `at`'s iteration are
+    /// left out. The h modes first recompute K and V of those positions with the K and V rows
+    /// of `qkv_weight` (into the cache's scratch).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

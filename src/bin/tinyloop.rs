@@ -198,11 +198,13 @@ struct ExitArgs {
     /// shorthand for --exit gate:T.
     #[arg(long, value_name = "T", conflicts_with = "exit")]
     exit_threshold: Option<f64>,
-    /// Exit rule: gate (the model's own threshold) or gate:T.
+    /// Exit rule: gate (the model's own threshold) or gate:T; or a criterion that needs no
+    /// gate: entropy-diff, latent-diff, cosine, kl, minp-kl (each optionally :T) or
+    /// argmax-stability (alias argmax, optionally :N).
     #[arg(long, value_name = "RULE")]
     exit: Option<String>,
-    /// reference (every iteration runs; the model's own semantics) or skip (generated tokens
-    /// stop at their exit iteration).
+    /// reference (the model's own semantics) or skip (generated tokens, and every call with a
+    /// criterion, stop at their exit iteration and copy its KV into the skipped slots).
     #[arg(long, value_name = "POLICY")]
     exit_policy: Option<String>,
 }

@@ -127,6 +127,10 @@ impl Backend for CaptureBackend {
         CpuBackend.alloc_kv(bytes)
     }
 
+    fn kv_write(&self, storage: &mut Vec<u8>, offset: usize, bytes: &[u8]) -> Result<()> {
+        CpuBackend.kv_write(storage, offset, bytes)
+    }
+
     fn copy_kv(
         &self,
         from: &Vec<u8>,

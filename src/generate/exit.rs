@@ -1,23 +1,33 @@
-//! Adaptive exit: after which loop iteration a position's output is read, decided per position by
-//! an exit rule, and whether the iterations after it still run (`exit_policy`).
+//! Adaptive exit: after which loop iteration a token's output is read, decided by an exit rule,
+//! and what happens to the iterations after it (`exit_policy`).
 //!
-//! The rule is Ouro's exit gate. After iteration t the gate reads the (loop-normed) state:
-//! λ_t = σ(exit_gate · x_t + bias); the exit distribution is p_t = λ_t ∏_{s<t} (1 − λ_s), the
-//! last iteration taking the rest, and a position exits at the first iteration whose cumulative
-//! probability reaches the threshold (the last one when none does). Probabilities are evaluated
-//! in f32 in that order, as the model's reference code does; the gate's dot product is summed in
-//! f64 on the host from the f32 state.
+//! Two kinds of rule:
+//! * Ouro's exit gate decides per position. After iteration t the gate reads the (loop-normed)
+//!   state: λ_t = σ(exit_gate · x_t + bias); the exit distribution is p_t = λ_t ∏_{s<t} (1 − λ_s),
+//!   the last iteration taking the rest, and a position exits at the first iteration whose
+//!   cumulative probability reaches the threshold (the last one when none does). Probabilities
+//!   are evaluated in f32 in that order, as the model's reference code does; the gate's dot
+//!   product is summed in f64 on the host from the f32 state.
+//! * Huginn's criteria ([`criteria`]) decide per call: the rows of one step (the prompt, or one
+//!   generated token) iterate together and stop together.
 //!
+//! Policies, for the gate:
 //! * `reference`: every iteration runs and writes its KV for every position, exactly as the
 //!   model's code does; the output is the exit iteration's.
 //! * `skip`: a generated token stops iterating at its exit iteration, and the KV slots of the
 //!   iterations it skipped receive copies of its exit iteration's entries (so later tokens attend
 //!   to its deepest computed state at those depths). Prompt positions run every iteration.
+//!
+//! For a criterion every call stops at its exit iteration (the prompt's too), as Huginn's code
+//! does. `reference`: the skipped slots stay empty, and later positions attending at those depths
+//! leave the call's positions out (the KV cache's depth mask), as Huginn's cache does. `skip`:
+//! the skipped slots get copies of the exit iteration's entries, as for the gate.
 
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::AtomicBool;
 
+use super::criteria::{criterion_step, Criterion};
 use super::sampling::Rng;
 use super::{first_token, next_choice, Output};
 use crate::backend::{Backend, Choice, StepInput};
@@ -36,6 +46,12 @@ pub enum ExitRule {
     /// The exit gate with a cumulative-probability threshold; `None` takes the model's own
     /// (`architecture.exit_threshold`).
     Gate { threshold: Option<f64> },
+    /// One of Huginn's criteria with a threshold; `None` takes the criterion's default (the
+    /// reference's "auto").
+    Criterion {
+        criterion: Criterion,
+        threshold: Option<f64>,
+    },
 }
 
 /// What happens to the iterations after a position's exit (`exit_policy`).
@@ -62,26 +78,44 @@ impl FromStr for ExitRule {
         let bad = || {
             Error::invalid(format!(
                 "exit rule {s:?}: expected gate or gate:T (T in [0, 1], the cumulative exit \
-                 probability)"
+                 probability), entropy-diff, latent-diff, cosine, kl or minp-kl, each alone or \
+                 with :T (T >= 0), or argmax-stability (alias argmax), alone or with :N (N an \
+                 integer >= 0)"
             ))
         };
-        match s.split_once(':') {
-            None if s == "gate" => Ok(ExitRule::Gate { threshold: None }),
-            Some(("gate", t)) => {
-                let t: f64 = t.parse().map_err(|_| bad())?;
+        let (name, value) = match s.split_once(':') {
+            Some((name, value)) => (name, Some(value.parse::<f64>().map_err(|_| bad())?)),
+            None => (s, None),
+        };
+        if name == "gate" {
+            if let Some(t) = value {
                 check_threshold(t).map_err(|_| bad())?;
-                Ok(ExitRule::Gate { threshold: Some(t) })
             }
-            _ => Err(bad()),
+            return Ok(ExitRule::Gate { threshold: value });
         }
+        let criterion = Criterion::from_name(name).ok_or_else(bad)?;
+        if let Some(t) = value {
+            criterion.check_threshold(t).map_err(|_| bad())?;
+        }
+        Ok(ExitRule::Criterion {
+            criterion,
+            threshold: value,
+        })
     }
 }
 
 impl fmt::Display for ExitRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ExitRule::Gate { threshold: None } => write!(f, "gate"),
-            ExitRule::Gate { threshold: Some(t) } => write!(f, "gate:{t}"),
+        let (name, threshold) = match self {
+            ExitRule::Gate { threshold } => ("gate", threshold),
+            ExitRule::Criterion {
+                criterion,
+                threshold,
+            } => (criterion.name(), threshold),
+        };
+        match threshold {
+            None => f.write_str(name),
+            Some(t) => write!(f, "{name}:{t}"),
         }
     }
 }
@@ -184,34 +218,62 @@ pub(crate) fn gate_logits(weight: &[f32], bias: f32, states: &[f32], dim: usize)
         .collect()
 }
 
-/// An exit rule resolved against a model: the gate's threshold, and the policy.
+/// What decides the exit, with its threshold resolved.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct GateExit {
-    pub threshold: f64,
+pub enum Decision {
+    Gate(f64),
+    Criterion(Criterion, f64),
+}
+
+/// An exit rule resolved against a model, and the policy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ResolvedExit {
+    pub decision: Decision,
     pub policy: ExitPolicy,
 }
 
 impl Exit {
-    /// The rule for a model of `config`: it must have an exit gate; `gate` alone takes its
-    /// threshold.
-    pub(crate) fn resolve(self, config: &ModelConfig) -> Result<GateExit> {
-        let ExitRule::Gate { threshold } = self.rule;
-        let arch = &config.architecture;
-        if !arch.exit_gate {
-            return Err(Error::invalid(format!(
-                "exit rule {}: this model has no exit gate",
-                self.rule
-            )));
-        }
-        let threshold = threshold.or(arch.exit_threshold).ok_or_else(|| {
-            Error::invalid("exit rule gate: the model names no default threshold; use gate:T")
-        })?;
-        Ok(GateExit {
-            threshold,
+    /// The rule for a model of `config`. The gate needs a model with one (`gate` alone takes its
+    /// threshold); a criterion applies to any model.
+    pub(crate) fn resolve(self, config: &ModelConfig) -> Result<ResolvedExit> {
+        let decision = match self.rule {
+            ExitRule::Gate { threshold } => {
+                let arch = &config.architecture;
+                if !arch.exit_gate {
+                    return Err(Error::invalid(format!(
+                        "exit rule {}: this model has no exit gate (the criteria entropy-diff, \
+                         latent-diff, cosine, kl, minp-kl and argmax-stability need none)",
+                        self.rule
+                    )));
+                }
+                Decision::Gate(threshold.or(arch.exit_threshold).ok_or_else(|| {
+                    Error::invalid(
+                        "exit rule gate: the model names no default threshold; use gate:T",
+                    )
+                })?)
+            }
+            ExitRule::Criterion {
+                criterion,
+                threshold,
+            } => Decision::Criterion(
+                criterion,
+                threshold.unwrap_or(criterion.default_threshold()),
+            ),
+        };
+        Ok(ResolvedExit {
+            decision,
             policy: self.policy,
         })
     }
 }
+
+/// The span of a step before its first loop iteration: the embedding and the pre blocks.
+pub(super) const BEFORE_LOOP: Span = Span {
+    start: true,
+    first: 1,
+    last: 0,
+    post: false,
+};
 
 /// Run one step (`input`, all its rows) through the whole network at up to `loops` iterations
 /// with the exit rule, leaving each row's output state (its exit iteration's, after the post
@@ -225,7 +287,7 @@ pub(crate) fn exit_step<B: Backend>(
     buf: &mut Buffers<B>,
     input: StepInput,
     loops: usize,
-    exit: GateExit,
+    threshold: f64,
     skip: bool,
     saved: &mut B::Float,
     cancel: &AtomicBool,
@@ -236,14 +298,8 @@ pub(crate) fn exit_step<B: Backend>(
         .ok_or_else(|| Error::invalid("exit rule: this model has no exit gate"))?;
     let (rows, start, d) = (input.tokens.len(), input.start_pos, w.config.dim);
     stage(backend, w, buf, input, loops)?;
-    let before_loop = Span {
-        start: true,
-        first: 1,
-        last: 0,
-        post: false,
-    };
-    run(backend, w, buf, rows, before_loop, Some(cancel))?;
-    let mut gates = GateRows::new(rows, exit.threshold);
+    run(backend, w, buf, rows, BEFORE_LOOP, Some(cancel))?;
+    let mut gates = GateRows::new(rows, threshold);
     let mut ran = loops;
     for t in 1..=loops {
         run(backend, w, buf, rows, Span::iterations(t, t), Some(cancel))?;
@@ -272,10 +328,57 @@ pub(crate) fn exit_step<B: Backend>(
     Ok(exit_at)
 }
 
+/// What an exit step decided: each row's exit iteration and, with a criterion, its value after
+/// each iteration the step ran.
+#[derive(Default)]
+pub(crate) struct Decided {
+    pub exits: Vec<usize>,
+    pub values: Vec<f64>,
+}
+
+/// Run one step with the exit rule; `generated`: its row is a generated token (the gate's skip
+/// policy applies to those only).
+#[allow(clippy::too_many_arguments)]
+fn exit_rows<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    loops: usize,
+    exit: ResolvedExit,
+    generated: bool,
+    saved: &mut B::Float,
+    cancel: &AtomicBool,
+) -> Result<Decided> {
+    let skip = exit.policy == ExitPolicy::Skip;
+    match exit.decision {
+        Decision::Gate(threshold) => {
+            let skip = skip && generated;
+            Ok(Decided {
+                exits: exit_step(
+                    backend, w, buf, input, loops, threshold, skip, saved, cancel,
+                )?,
+                values: Vec::new(),
+            })
+        }
+        Decision::Criterion(criterion, threshold) => {
+            let rows = input.tokens.len();
+            let rule = (criterion, threshold);
+            let values = criterion_step(backend, w, buf, input, loops, rule, skip, saved, cancel)?;
+            Ok(Decided {
+                exits: vec![values.len(); rows],
+                values,
+            })
+        }
+    }
+}
+
 /// Feed `tokens` from position 0 in the steps [`step_rows`] cuts, the last one (carrying
-/// `choice`) with the exit rule at `loops` iterations and the reference policy; `each(buf,
-/// offset, rows, exits)` sees every step (`exits` empty for the earlier ones, whose outputs
-/// nobody reads). Returns the rows and the exit iterations of the last step.
+/// `choice`) with the exit rule at `loops` iterations; `each(buf, offset, rows, decided)` sees
+/// every step (`decided` empty for the earlier ones, whose outputs nobody reads). With the gate,
+/// the earlier steps run every iteration unless `every_step_exits`, and every step takes the
+/// reference policy; with a criterion every step is a call that exits. Returns what the last
+/// step decided.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prompt_steps<B: Backend>(
     backend: &B,
@@ -283,15 +386,16 @@ pub(crate) fn prompt_steps<B: Backend>(
     buf: &mut Buffers<B>,
     tokens: &[u32],
     loops: usize,
-    exit: GateExit,
+    exit: ResolvedExit,
     choice: Choice,
     every_step_exits: bool,
     cancel: &AtomicBool,
-    mut each: impl FnMut(&mut Buffers<B>, usize, usize, &[usize]) -> Result<()>,
-) -> Result<Vec<usize>> {
+    mut each: impl FnMut(&mut Buffers<B>, usize, usize, &Decided) -> Result<()>,
+) -> Result<Decided> {
     let mut saved = backend.alloc_float(buf.max_rows * w.config.dim)?;
+    let every_step_exits = every_step_exits || matches!(exit.decision, Decision::Criterion(..));
     let mut offset = 0;
-    let mut exits = Vec::new();
+    let mut decided = Decided::default();
     while offset < tokens.len() {
         let rows = step_rows(buf, offset, tokens.len() - offset);
         let last = offset + rows == tokens.len();
@@ -300,36 +404,36 @@ pub(crate) fn prompt_steps<B: Backend>(
             start_pos: offset,
             choice: if last { choice } else { Choice::Greedy },
         };
-        exits = if last || every_step_exits {
-            exit_step(
+        decided = if last || every_step_exits {
+            exit_rows(
                 backend, w, buf, input, loops, exit, false, &mut saved, cancel,
             )?
         } else {
             forward(backend, w, buf, input, loops, cancel)?;
-            Vec::new()
+            Decided::default()
         };
-        each(buf, offset, rows, &exits)?;
+        each(buf, offset, rows, &decided)?;
         offset += rows;
     }
-    Ok(exits)
+    Ok(decided)
 }
 
-/// Generation with an exit rule: the prompt at the reference policy, then one decode step per
-/// token at the rule's policy; each token records its exit iteration.
+/// Generation with an exit rule: the prompt, then one decode step per token, at the rule's
+/// policy; each token records its exit iteration.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn generate<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     prompt: &[u32],
-    exit: GateExit,
+    exit: ResolvedExit,
     out: &mut Output,
     choice: Choice,
     rng: &mut Rng,
 ) -> Result<()> {
     let (loops, sampling, entropy) = (out.req.loops, out.req.sampling, out.measures());
     let cancel = out.cancel;
-    let exits = prompt_steps(
+    let mut decided = prompt_steps(
         backend,
         w,
         buf,
@@ -341,21 +445,20 @@ pub(crate) fn generate<B: Backend>(
         cancel,
         |_, _, _, _| Ok(()),
     )?;
-    let last = exits.len() - 1;
-    let mut next = first_token(backend, w, buf, last, entropy)?;
-    let mut next_exit = exits[last];
+    // The token comes from the step's last row.
+    let last_exit = |decided: &Decided| decided.exits[decided.exits.len() - 1];
+    let mut next = first_token(backend, w, buf, decided.exits.len() - 1, entropy)?;
     let mut saved = backend.alloc_float(w.config.dim)?;
-    let skip = exit.policy == ExitPolicy::Skip;
     let mut pos = prompt.len();
-    while out.push_exited(next, next_exit)? {
+    while out.push_exited(next, last_exit(&decided), decided.values)? {
         let input = StepInput {
             tokens: &[next.token],
             start_pos: pos,
             choice: next_choice(&sampling, rng),
         };
-        next_exit = exit_step(
-            backend, w, buf, input, loops, exit, skip, &mut saved, cancel,
-        )?[0];
+        decided = exit_rows(
+            backend, w, buf, input, loops, exit, true, &mut saved, cancel,
+        )?;
         next = first_token(backend, w, buf, 0, entropy)?;
         pos += 1;
     }
@@ -364,7 +467,7 @@ pub(crate) fn generate<B: Backend>(
 
 /// The KV entries of positions `start..start + rows` at iteration `last_run`, copied into the
 /// slots of iterations `last_run + 1..=loops` (exit policy skip).
-fn copy_skipped_kv<B: Backend>(
+pub(super) fn copy_skipped_kv<B: Backend>(
     backend: &B,
     buf: &mut Buffers<B>,
     last_run: usize,
@@ -396,9 +499,42 @@ mod tests {
 
     #[test]
     fn rules_and_policies_parse_and_print() {
-        for s in ["gate", "gate:0.5", "gate:0", "gate:1"] {
+        for s in [
+            "gate",
+            "gate:0.5",
+            "gate:0",
+            "gate:1",
+            "entropy-diff",
+            "entropy-diff:0.02",
+            "latent-diff:0.1",
+            "cosine",
+            "kl",
+            "kl:0.005",
+            "minp-kl:0.00001",
+            "argmax-stability",
+            "argmax-stability:2",
+            "kl:0",
+        ] {
             assert_eq!(s.parse::<ExitRule>().unwrap().to_string(), s);
         }
+        // Other spellings of the same numbers, and the alias, print in one form.
+        for (s, printed) in [
+            ("kl:1e-3", "kl:0.001"),
+            ("argmax", "argmax-stability"),
+            ("argmax:3", "argmax-stability:3"),
+            ("minp-kl:1e-5", "minp-kl:0.00001"),
+        ] {
+            let rule: ExitRule = s.parse().unwrap();
+            assert_eq!(rule.to_string(), printed);
+            assert_eq!(printed.parse::<ExitRule>().unwrap(), rule);
+        }
+        assert_eq!(
+            "kl".parse::<ExitRule>().unwrap(),
+            ExitRule::Criterion {
+                criterion: Criterion::Kl,
+                threshold: None
+            }
+        );
         for bad in [
             "",
             "gate:",
@@ -407,8 +543,26 @@ mod tests {
             "gate:nan",
             "kl:1e-3x",
             "Gate",
+            "kl:",
+            "kl:-1e-3",
+            "kl:inf",
+            "cosine:nan",
+            "entropy",
+            "argmax:2.5",
+            "argmax-stability:-1",
+            "none",
+            "kl:0.1:2",
         ] {
-            assert!(bad.parse::<ExitRule>().is_err(), "{bad}");
+            let err = bad.parse::<ExitRule>().unwrap_err().to_string();
+            for form in [
+                "gate:T",
+                "entropy-diff",
+                "minp-kl",
+                "argmax-stability",
+                "argmax",
+            ] {
+                assert!(err.contains(form), "{bad}: {err}");
+            }
         }
         for s in ["reference", "skip"] {
             assert_eq!(s.parse::<ExitPolicy>().unwrap().to_string(), s);

@@ -103,13 +103,15 @@ fn take_entries<B: Backend>(
     })
 }
 
-/// Put the entries of `slots` back into the session's cache.
+/// Put the entries of `slots` back into the session's cache: a sequence whose positions reached
+/// every depth.
 fn give_entries<B: Backend>(
     backend: &B,
     buf: &mut Buffers<B>,
     entries: &Entries<B::KvStorage>,
     slots: impl Iterator<Item = usize>,
 ) -> Result<()> {
+    buf.clear_depths(backend);
     let kv = &mut buf.kv;
     copy_entries(
         backend,

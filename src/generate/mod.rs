@@ -3,6 +3,7 @@
 //! ([`speculative`]), the logit lens and trajectory ([`lens`]), prefix caches and resume handles
 //! ([`handles`]).
 
+pub mod criteria;
 pub mod exit;
 pub mod handles;
 pub mod lens;
@@ -34,7 +35,7 @@ pub struct GenerateRequest {
     /// BETA-MON: measure the entropy of every returned token's distribution.
     pub(crate) monitor: Option<Monitoring>,
     /// The exit rule, resolved against the model.
-    pub(crate) exit: Option<exit::GateExit>,
+    pub(crate) exit: Option<exit::ResolvedExit>,
 }
 
 /// What the last generation call of a session did.
@@ -56,8 +57,13 @@ pub struct GenerateStats {
     /// Monitored calls: BETA-MON's summary.
     pub beta_mon: Option<BetaMonSummary>,
     /// Calls with an exit rule: the loop iteration (1-based) whose output gave each returned
-    /// token. Empty otherwise.
+    /// token (with a criterion, the iterations its call ran; the first token's call is the
+    /// prompt's last step). Empty otherwise.
     pub exit_steps: Vec<u32>,
+    /// Calls with a criterion: its value after each iteration of the call behind each returned
+    /// token, beside `exit_steps` (NaN where it has none: cosine from a zero state). Empty
+    /// otherwise.
+    pub exit_values: Vec<Vec<f64>>,
 }
 
 impl GenerateStats {
@@ -138,12 +144,16 @@ impl<'a> Output<'a> {
         self.entropy.is_some()
     }
 
-    /// [`Output::push`] of a token that came from loop iteration `exit` (an exit rule).
-    pub fn push_exited(&mut self, next: Chosen, exit: usize) -> Result<bool> {
+    /// [`Output::push`] of a token that came from loop iteration `exit` (an exit rule), after
+    /// a criterion's `values` (none for the gate).
+    pub fn push_exited(&mut self, next: Chosen, exit: usize, values: Vec<f64>) -> Result<bool> {
         let before = self.tokens.len();
         let more = self.push(next)?;
         if self.tokens.len() > before {
             self.stats.exit_steps.push(exit as u32);
+            if !values.is_empty() {
+                self.stats.exit_values.push(values);
+            }
         }
         Ok(more)
     }
@@ -392,7 +402,7 @@ pub fn score_exit<B: Backend>(
     buf: &mut Buffers<B>,
     tokens: &[u32],
     loops: usize,
-    rule: exit::GateExit,
+    rule: exit::ResolvedExit,
     cancel: &AtomicBool,
 ) -> Result<(Vec<f32>, Vec<u32>)> {
     let vocab = w.config.vocab_size;
@@ -410,8 +420,8 @@ pub fn score_exit<B: Backend>(
         greedy,
         true,
         cancel,
-        |buf, offset, rows, exits| {
-            exit_steps.extend(exits.iter().map(|&e| e as u32));
+        |buf, offset, rows, decided| {
+            exit_steps.extend(decided.exits.iter().map(|&e| e as u32));
             let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
             for_logit_rows(backend, w, buf, rows, LogitsTo::Places(step_out), |_, _| {})
         },

@@ -319,6 +319,17 @@ impl KvLayout {
         }
     }
 
+    /// The depth a position must have reached for attention at `at` to read its entry
+    /// ([`super::Depths`]): the loop iteration of a loop slot, 0 for pre and post slots.
+    pub fn depth_needed(&self, at: KvSlot) -> u32 {
+        let own = at.own();
+        if own < self.single_slots() {
+            0
+        } else {
+            ((own - self.single_slots()) / self.n_loop + 1) as u32
+        }
+    }
+
     /// Slots that never chain: the pre and post blocks' (slots `0..single_slots()`).
     pub fn single_slots(&self) -> usize {
         self.n_pre + self.n_post
@@ -530,6 +541,22 @@ mod tests {
             }
             assert_eq!(seen.len(), layout.slots(i));
             assert!(seen.iter().all(|&s| s < layout.slots(i)));
+        }
+    }
+
+    #[test]
+    fn loop_slots_need_their_iteration_as_depth() {
+        let config = preset("tiny-gqa").unwrap(); // pre, 2 loop blocks, post
+        for mode in [KvMode::Fp16, KvMode::Delta] {
+            let layout = KvLayout::new(&config, mode, 16).unwrap();
+            for i in 1..=5 {
+                for b in 0..2 {
+                    let at = layout.at(app(Stage::Loop, b, i));
+                    assert_eq!(layout.depth_needed(at), i as u32, "{mode} block {b}");
+                }
+            }
+            assert_eq!(layout.depth_needed(layout.at(app(Stage::Pre, 0, 0))), 0);
+            assert_eq!(layout.depth_needed(layout.at(app(Stage::Post, 0, 0))), 0);
         }
     }
 

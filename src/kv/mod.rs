@@ -238,13 +238,54 @@ pub struct TierMove {
     pub end: usize,
 }
 
-/// The KV cache of one session: its layout, the slots allocated so far, the age-tier bounds, and
-/// the backend's storage (zeroed at allocation).
+/// The KV cache of one session: its layout, the slots allocated so far, the age-tier bounds, the
+/// backend's storage (zeroed at allocation), and the depth mask.
 pub struct KvCache<S> {
     pub layout: KvLayout,
     pub slots: usize,
     pub bounds: TierBounds,
     pub storage: S,
+    pub depths: Depths<S>,
+}
+
+/// The depth of a position that ran every loop iteration of its call.
+pub const ALL_DEPTHS: u32 = u32::MAX;
+
+/// How many loop iterations each position of the sequence reached, for calls that stop positions
+/// early without filling the slots of the iterations they skip (exit criteria under the reference
+/// policy): attention in a slot of loop iteration i reads only the positions whose depth is at
+/// least i ([`KvLayout::depth_needed`]), as if the skipped entries did not exist. Pre and post
+/// slots read every position.
+///
+/// The mask is `capacity` little-endian u32 in backend storage, allocated when a position first
+/// stops early. While it is off (no position of the sequence stopped early) the backends read no
+/// mask at all.
+pub struct Depths<S> {
+    pub mask: Option<DepthMask<S>>,
+}
+
+/// The storage of a depth mask, and whether it is on.
+pub struct DepthMask<S> {
+    pub storage: S,
+    pub on: bool,
+}
+
+impl<S> Default for Depths<S> {
+    fn default() -> Self {
+        Depths { mask: None }
+    }
+}
+
+impl<S> Depths<S> {
+    /// The mask attention applies, when it is on.
+    pub fn mask(&self) -> Option<&S> {
+        self.mask.as_ref().filter(|m| m.on).map(|m| &m.storage)
+    }
+
+    /// Bytes of the mask's storage for a cache of `capacity` positions (0 until it is needed).
+    pub fn bytes(&self, capacity: usize) -> usize {
+        self.mask.as_ref().map_or(0, |_| 4 * capacity)
+    }
 }
 
 impl<S> KvCache<S> {

@@ -213,6 +213,7 @@ impl<B: Backend> Buffers<B> {
                 layout: kv,
                 slots: 0,
                 bounds: Default::default(),
+                depths: Default::default(),
             },
             body,
             body_tier: Tier::Short,
@@ -234,6 +235,11 @@ impl<B: Backend> Buffers<B> {
     /// Width of the residual stream (the model dimension).
     pub fn width(&self) -> usize {
         self.kv.layout.dim
+    }
+
+    /// Drop the captured decode graphs (they keep the buffers' and the depth mask's addresses).
+    pub fn reset_graphs(&mut self, backend: &B) {
+        backend.graph_reset(&mut self.step);
     }
 
     /// Make sure the KV cache has at least `slots` slots; growing it keeps every entry.
@@ -279,7 +285,8 @@ pub fn step_rows<B: Backend>(buf: &Buffers<B>, start: usize, remaining: usize) -
 
 /// Validate a step of up to `loops` iterations, observe its sequence length (CTX-TIER: the loop
 /// body may change precision), make room in the KV cache (and move entries that changed age
-/// tier), and stage its tokens, position and tier bounds. Then [`run`] its spans.
+/// tier), mark its positions reached in the depth mask, and stage its tokens, position and tier
+/// bounds. Then [`run`] its spans.
 pub fn stage<B: Backend>(
     backend: &B,
     w: &Weights<B>,
@@ -304,6 +311,7 @@ pub fn stage<B: Backend>(
     let tier = buf.tier.observe(end);
     follow_tier(backend, w, buf, tier)?;
     buf.reserve_kv(backend, buf.kv.layout.slots(loops))?;
+    buf.begin_depths(backend, input.start_pos, rows)?;
     for mv in buf.kv.advance_tiers(input.start_pos, end) {
         backend.kv_move(&mut buf.kv, &mv);
     }

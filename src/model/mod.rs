@@ -3,6 +3,7 @@
 pub mod architecture;
 pub mod body;
 pub mod config;
+pub mod depth;
 pub mod flops;
 pub mod forward;
 pub mod layout;

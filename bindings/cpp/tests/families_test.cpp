@@ -114,7 +114,7 @@ TEST(Families, BadExitOptionsNameTheField) {
         {with_exit(1.5), "exit_threshold"},
         {with_exit(-0.5), "exit_threshold"},
         {with_exit(std::nan("")), "exit_threshold"},
-        {with_exit(std::nullopt, "kl:1"), "exit rule"},
+        {with_exit(std::nullopt, "kl:x"), "exit rule"},
         {with_exit(0.5, "gate:0.5"), "exit_threshold or exit, not both"},
         {with_exit(std::nullopt, "", "skip"), "exit_policy is set without an exit rule"},
         {with_exit(std::nullopt, "gate:0.5", "fast"), "exit_policy"},

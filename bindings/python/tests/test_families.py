@@ -82,7 +82,7 @@ def test_text_generation_takes_the_exit_options(sandwich):
         ({"exit_threshold": 1.5}, "exit_threshold"),
         ({"exit_threshold": -0.5}, "exit_threshold"),
         ({"exit_threshold": float("nan")}, "exit_threshold"),
-        ({"exit": "kl:1"}, "exit rule"),
+        ({"exit": "kl:x"}, "exit rule"),
         ({"exit_threshold": 0.5, "exit": "gate:0.5"}, "exit_threshold or exit, not both"),
         ({"exit_policy": "skip"}, "exit_policy is set without an exit rule"),
         ({"exit": "gate:0.5", "exit_policy": "fast"}, "exit_policy"),

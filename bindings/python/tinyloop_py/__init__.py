@@ -537,11 +537,15 @@ class _Runner:
         ``beta_monitor`` (True, or a dict of thresholds) the call's BETA-MON summary is
         ``last_generate_stats()["beta_mon"]``.
 
-        Adaptive exit, on a model with an exit gate (Ouro): ``exit_threshold`` (in [0, 1]) or
-        ``exit`` ("gate": the model's own threshold, or "gate:T") takes each token from the
-        first loop iteration whose cumulative exit probability reaches the threshold;
-        ``exit_policy`` "reference" (the default: every iteration still runs) or "skip"
-        (generated tokens stop at their exit iteration). ``last_generate_stats()`` then counts
+        Adaptive exit: ``exit_threshold`` (in [0, 1]) or ``exit`` ("gate": the model's own
+        threshold, or "gate:T") takes each token from the first loop iteration whose
+        cumulative exit probability reaches the threshold, on a model with an exit gate (Ouro).
+        ``exit`` also takes Huginn's criteria, on any model: "entropy-diff", "latent-diff",
+        "cosine", "kl", "minp-kl" (each optionally ":T") and "argmax-stability" or "argmax"
+        (optionally ":N"), which stop each call at the first iteration where they fire
+        (docs/ABI.md "Adaptive exit"). ``exit_policy`` "reference" (the default: the model's
+        own code's semantics) or "skip" (generated tokens stop at their exit iteration and copy
+        its KV into the slots they skip). ``last_generate_stats()`` then counts
         ``exit_tokens`` and their ``exit_mean_steps``. Not with ``prefix_cache``.
 
         ``text=`` instead of ``tokens``: the prompt as a str, tokenized by the model's

@@ -236,6 +236,10 @@ pub fn attention(
         rebuild_from_h(kv, at, step.start_pos + rows, w, rope);
     }
     let kv = &*kv;
+    // Positions that stopped before this slot's iteration have no entry here (kv::Depths).
+    let need = kv.layout.depth_needed(at);
+    let mask = kv.depths.mask().filter(|_| need > 0);
+    let reached = |t: usize| mask.is_none_or(|m| depth_at(m, t) >= need);
     let heads = kv.layout.heads;
     let hd = heads.head_dim;
     let group = heads.n_heads / heads.n_kv_heads;
@@ -253,20 +257,22 @@ pub fn attention(
                 .collect();
             let kvh = h / group;
             let mut entry = vec![0f32; hd];
-            let mut scores: Vec<f32> = (0..=pos)
+            let mut scores: Vec<(usize, f32)> = (0..=pos)
+                .filter(|&t| reached(t))
                 .map(|t| {
                     read(kv, K, at, t, kvh, &mut entry);
-                    q.iter().zip(&entry).map(|(a, b)| a * b).sum::<f32>() * scale
+                    let dot = q.iter().zip(&entry).map(|(a, b)| a * b).sum::<f32>();
+                    (t, dot * scale)
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = scores.iter().map(|s| s.1).fold(f32::NEG_INFINITY, f32::max);
             let mut total = 0.0;
-            for s in scores.iter_mut() {
+            for (_, s) in scores.iter_mut() {
                 *s = (*s - max).exp();
                 total += *s;
             }
             let mut acc = vec![0f32; hd];
-            for (t, s) in scores.iter().enumerate() {
+            for &(t, s) in &scores {
                 read(kv, V, at, t, kvh, &mut entry);
                 for (a, &b) in acc.iter_mut().zip(&entry) {
                     *a += s * b;
@@ -276,6 +282,11 @@ pub fn attention(
                 *o = round_f16(a / total);
             }
         });
+}
+
+/// The depth of position `t` in a depth mask's bytes.
+fn depth_at(mask: &[u8], t: usize) -> u32 {
+    u32::from_le_bytes(mask[4 * t..4 * t + 4].try_into().expect("four bytes"))
 }
 
 /// Re-encode positions `mv.first..mv.end` from tier `mv.from` into tier `mv.to`, each chain in

@@ -128,6 +128,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_write(&self, storage: &mut Vec<u8>, offset: usize, bytes: &[u8]) -> Result<()> {
+        storage[offset..offset + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
     fn copy_rows(
         &self,
         from: &Vec<f32>,

@@ -1,7 +1,7 @@
 //! Attention and the KV cache on the GPU: cache storage (the bytes of [`KvLayout`]), storing a
 //! step's entries, attention over f16 or quantized entries (positions split across blocks for
-//! decode), recomputing K and V from cached h, and moving entries between age tiers. The CPU
-//! reference of each is src/backend/cpu/kv.rs.
+//! decode; positions the depth mask leaves out skipped), recomputing K and V from cached h, and
+//! moving entries between age tiers. The CPU reference of each is src/backend/cpu/kv.rs.
 
 use cudarc::driver::{result, sys};
 
@@ -48,13 +48,40 @@ struct QuantKvArg {
 }
 
 /// Where f16 entries are: K and V of slot `slot` at `k + slot · slot_stride` (in f16 values),
-/// positions `kv_dim` apart.
+/// positions `kv_dim` apart; and which of them attention reads.
 pub(super) struct F16Entries {
     pub(super) k: u64,
     pub(super) v: u64,
     pub(super) slot: usize,
     pub(super) slot_stride: usize,
     capacity: usize,
+    pub(super) depth: DepthArgs,
+}
+
+/// The depth-mask arguments of an attention kernel: the mask's address (0: none, every position
+/// is read) and the depth a position needs ([`crate::kv::Depths`]).
+#[derive(Clone, Copy)]
+pub(super) struct DepthArgs {
+    pub(super) mask: u64,
+    pub(super) need: u32,
+}
+
+impl DepthArgs {
+    /// The mask attention at `at` applies: none outside loop slots or while the mask is off.
+    fn of(kv: &KvCache<CudaKv>, at: KvSlot) -> DepthArgs {
+        let need = kv.layout.depth_needed(at);
+        match kv.depths.mask() {
+            Some(mask) if need > 0 => DepthArgs {
+                mask: mask.ptr(),
+                need,
+            },
+            _ => DepthArgs { mask: 0, need: 0 },
+        }
+    }
+
+    pub(super) fn args(self) -> [Arg; 2] {
+        [Arg::P(self.mask), Arg::I(self.need as i32)]
+    }
 }
 
 impl CudaBackend {
@@ -99,6 +126,17 @@ impl CudaBackend {
         self.copy_device(src, dst, bytes, "copying the KV cache")
     }
 
+    /// [`crate::backend::Backend::kv_write`].
+    pub(super) fn write_kv_bytes(&self, kv: &CudaKv, offset: usize, bytes: &[u8]) -> Result<()> {
+        match &kv.buf {
+            Some(buf) => self.upload(buf, offset, bytes),
+            None => {
+                assert!(bytes.is_empty(), "write past a KV cache");
+                Ok(())
+            }
+        }
+    }
+
     /// [`crate::backend::Backend::kv_copy_within`].
     pub(super) fn copy_kv_ranges(
         &self,
@@ -133,7 +171,7 @@ impl CudaBackend {
         let layout = &kv.layout;
         let heads = layout.heads;
         if layout.mode == KvMode::Fp16 {
-            let f16 = self.f16_entries(kv, at.own());
+            let f16 = self.f16_entries(kv, at);
             // Two pairs and two V values per thread where the vector accesses are aligned.
             let pairs_aligned =
                 heads.head_dim.is_multiple_of(4) && f16.slot_stride.is_multiple_of(2);
@@ -212,7 +250,7 @@ impl CudaBackend {
     ) {
         let mode = kv.layout.mode;
         if mode == KvMode::Fp16 {
-            let f16 = self.f16_entries(kv, at.own());
+            let f16 = self.f16_entries(kv, at);
             if self.flash_attend(qkv, rope, step, rows, kv, &f16, out) {
                 return;
             }
@@ -230,6 +268,7 @@ impl CudaBackend {
             slot: 0,
             slot_stride: 0,
             capacity: layout.capacity,
+            depth: DepthArgs::of(kv, at),
         };
         self.attend(qkv, step, rows, kv, &f16, out, None);
     }
@@ -250,7 +289,7 @@ impl CudaBackend {
         out: &mut DevBuf,
     ) {
         if rows == 1 && kv.layout.mode == KvMode::Fp16 {
-            let f16 = self.f16_entries(kv, at.own());
+            let f16 = self.f16_entries(kv, at);
             return self.attend(qkv, step, rows, kv, &f16, out, Some(rope));
         }
         self.store_kv(qkv, h, step, rows, rope, kv, at);
@@ -293,16 +332,18 @@ impl CudaBackend {
         );
     }
 
-    fn f16_entries(&self, kv: &KvCache<CudaKv>, slot: usize) -> F16Entries {
+    /// The fp16 mode's entries of the application at `at`.
+    fn f16_entries(&self, kv: &KvCache<CudaKv>, at: KvSlot) -> F16Entries {
         let layout = &kv.layout;
         let regions = layout.tiers[0].regions;
         let base = kv.storage.ptr();
         F16Entries {
             k: base + regions[0].codes as u64,
             v: base + regions[1].codes as u64,
-            slot,
+            slot: at.own(),
             slot_stride: layout.slot_bytes / 2,
             capacity: layout.capacity,
+            depth: DepthArgs::of(kv, at),
         }
     }
 
@@ -409,6 +450,7 @@ impl CudaBackend {
         let splits = self.splits(rows, heads.n_heads, entries.capacity);
         let partial = self.scratch.ptr + self.partial_offset as u64;
         let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
+        let [mask, need] = entries.depth.args();
         let args = [
             Arg::P(qkv.ptr),
             Arg::P(step.buf.ptr),
@@ -425,6 +467,8 @@ impl CudaBackend {
             Arg::P(partial),
             Arg::P(tickets),
             Arg::P(rope.map_or(0, |r| r.ptr)),
+            mask,
+            need,
         ];
         let grid = (heads.n_heads as u32, rows as u32, splits as u32);
         let f = self.gpu.kernels.attention[dj];
@@ -456,6 +500,7 @@ impl CudaBackend {
             count: at.count as i32,
             stride: at.stride as i32,
         };
+        let [mask, need] = DepthArgs::of(kv, at).args();
         let args = [
             Arg::P(qkv.ptr),
             Arg::P(step.buf.ptr),
@@ -467,6 +512,8 @@ impl CudaBackend {
             Arg::P(out.ptr),
             Arg::P(partial),
             Arg::P(tickets),
+            mask,
+            need,
             Arg::S((&quant as *const QuantKvArg).cast()),
         ];
         let grid = (heads.n_heads as u32, rows as u32, splits as u32);

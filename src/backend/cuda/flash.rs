@@ -96,6 +96,7 @@ impl CudaBackend {
         };
         let heads = kv.layout.heads;
         let hd = heads.head_dim;
+        let [mask, need] = entries.depth.args();
         let args = [
             Arg::P(qkv.ptr),
             Arg::P(rope.ptr),
@@ -110,6 +111,8 @@ impl CudaBackend {
             Arg::P(out.ptr),
             Arg::P(scratch.buf.ptr),
             Arg::P(scratch.buf.ptr + scratch.partials as u64),
+            mask,
+            need,
         ];
         let grid = (flash_blocks(heads.n_heads, rows) as u32, 1, 1);
         let f = self.gpu.kernels.flash_attention[variant];

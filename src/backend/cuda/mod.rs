@@ -489,6 +489,10 @@ impl Backend for CudaBackend {
         self.copy_kv_bytes(from, from_offset, to, to_offset, bytes)
     }
 
+    fn kv_write(&self, storage: &mut CudaKv, offset: usize, bytes: &[u8]) -> Result<()> {
+        self.write_kv_bytes(storage, offset, bytes)
+    }
+
     fn copy_rows(
         &self,
         from: &DevBuf,
