@@ -2,6 +2,7 @@
 #![allow(dead_code)] // each test crate uses a different subset
 
 pub mod beta_mon;
+pub mod exit_agreement;
 pub mod ffi;
 pub mod reference;
 
