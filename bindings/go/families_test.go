@@ -11,8 +11,8 @@ import (
 )
 
 // The options of the public looped families (docs/MODELS.md): Ouro's adaptive exit on the
-// tiny-sandwich preset, Huginn's initial state on tiny-recurrent. The Rust tests (tests/exit.rs,
-// tests/hf.rs) check the numerics; here the binding's plumbing.
+// tiny-sandwich preset, Huginn's initial state on tiny-recurrent. The Rust tests (tests/hf.rs,
+// src/generate/exit.rs) check the numerics; here the binding's plumbing.
 
 // synth writes the model of preset (seed 1) with the CLI and returns its path.
 func synth(t *testing.T, preset string) string {

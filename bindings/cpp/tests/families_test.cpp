@@ -1,6 +1,6 @@
 // The options of the public looped families (docs/MODELS.md) through tinyloop.hpp: Ouro's
 // adaptive exit on the tiny-sandwich preset, Huginn's initial state on tiny-recurrent (the paths
-// CMake compiled in, where it synthesizes them). The Rust tests (tests/exit.rs, tests/hf.rs)
+// CMake compiled in, where it synthesizes them). The Rust tests (tests/hf.rs, src/generate/exit.rs)
 // check the numerics; here the wrapper's plumbing.
 #include <gtest/gtest.h>
 

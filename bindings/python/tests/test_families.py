@@ -1,7 +1,7 @@
 """The options of the public looped families from Python (docs/MODELS.md): Ouro's adaptive exit
 (``exit_threshold``, ``exit``, ``exit_policy`` and the exit statistics) on the `tiny-sandwich`
 preset, and Huginn's initial state (``state_init``) on `tiny-recurrent`. The Rust tests
-(tests/exit.rs, tests/hf.rs) check the numerics; here the binding's plumbing."""
+(tests/hf.rs, src/generate/exit.rs) check the numerics; here the binding's plumbing."""
 
 import os
 
