@@ -1,6 +1,6 @@
-//! Keeping the KV cache's depth mask ([`crate::kv::Depths`]) in step with the sequence: positions that stop
-//! early record their depth, every other step's positions count as reached at every depth, and
-//! a new sequence starts with the mask off.
+//! Keeping the KV cache's depth mask ([`crate::kv::Depths`]) in step with the sequence:
+//! positions that stop early record their depth, every other step's positions count as reached
+//! at every depth, and a new sequence starts with the mask off.
 //!
 //! Captured decode graphs hold the mask's address (or its absence), so they are dropped whenever
 //! the mask turns on or off.
