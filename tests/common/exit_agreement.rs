@@ -60,13 +60,7 @@ pub fn agreement(
     expected_values: &[f32],
 ) -> Result<Agreement, String> {
     let name = rule.split(':').next().unwrap();
-    let fires = |v: f64| {
-        if name == "argmax-stability" {
-            v >= threshold
-        } else {
-            v < threshold
-        }
-    };
+    let fires = |v: f64| fires(name, threshold, v);
     let mut flips = 0;
     for (i, (ours, theirs)) in stats
         .exit_values
@@ -130,13 +124,7 @@ pub fn self_consistent(
     max_steps: u32,
 ) -> Result<(), String> {
     let name = rule.split(':').next().unwrap();
-    let fires = |v: f64| {
-        if name == "argmax-stability" {
-            v >= threshold
-        } else {
-            v < threshold
-        }
-    };
+    let fires = |v: f64| fires(name, threshold, v);
     for (i, (values, &steps)) in stats.exit_values.iter().zip(&stats.exit_steps).enumerate() {
         let first = values.iter().position(|&v| fires(v)).map(|k| k as u32 + 1);
         if first.unwrap_or(max_steps) != steps || values.len() != steps as usize {
@@ -146,4 +134,14 @@ pub fn self_consistent(
         }
     }
     Ok(())
+}
+
+/// Whether criterion `name`'s value `v` ends a call at `threshold` (argmax-stability counts up to
+/// it, the others fall below it).
+fn fires(name: &str, threshold: f64, v: f64) -> bool {
+    if name == "argmax-stability" {
+        v >= threshold
+    } else {
+        v < threshold
+    }
 }
