@@ -1651,6 +1651,21 @@ fn cuda_hf_checkpoints_match_their_reference() {
     finish("cuda_hf_checkpoints_match_their_reference", failures);
 }
 
+/// An `.i32` array of a reference folder (tests/data/hf/README.md), as token ids or counts.
+fn reference_ints(reference: &Path, file: &str) -> Vec<u32> {
+    std::fs::read(reference.join(file))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// A reference folder's `reference.json`.
+fn reference_json(reference: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(reference.join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
 /// Ouro's exit gate on the GPU: the exit iteration of every position at thresholds 0.3 … 0.9 and
 /// greedy generation at 0.5 equal the reference code's (tests/data/hf/ouro-tiny); the skip
 /// policy (KV entries copied on the device) generates what it generates on the CPU.
@@ -1662,16 +1677,8 @@ fn cuda_exit_rule_matches_the_reference() {
     use tinyloop::{Exit, ExitPolicy, ExitRule};
     let (dir, out) = converted_hf("ouro-tiny");
     let reference = dir.join("reference");
-    let ints = |file: &str| -> Vec<u32> {
-        std::fs::read(reference.join(file))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
-            .unwrap();
+    let ints = |file: &str| reference_ints(&reference, file);
+    let json = reference_json(&reference);
     let ids = |key: &str| -> Vec<u32> {
         json[key]
             .as_array()
@@ -1752,16 +1759,8 @@ fn cuda_exit_criteria_match_the_reference() {
     use tinyloop::{Exit, ExitPolicy};
     let (dir, out) = converted_hf("huginn-tiny");
     let reference = dir.join("reference");
-    let ints = |file: &str| -> Vec<u32> {
-        std::fs::read(reference.join(file))
-            .unwrap()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as u32)
-            .collect()
-    };
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(reference.join("reference.json")).unwrap())
-            .unwrap();
+    let ints = |file: &str| reference_ints(&reference, file);
+    let json = reference_json(&reference);
     let prompt: Vec<u32> = json["generation_prompt_ids"]
         .as_array()
         .unwrap()
