@@ -54,6 +54,7 @@ compiled prefill block and the compiled decode step (reduce-overhead; no CUDA gr
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -344,21 +345,30 @@ class Net(torch.nn.Module):
             self.v[slot, :, :n] = v
         return self.head(self.head_input(x[-1:]))
 
-    def decode_step(self, token, pos):
+    def decode_block(self, x, name, pos, mask, k_cache, v_cache, u=None, begin=False, enter=False, norm_after=False):
+        """One block application to the token at `pos`: its K and V written into the
+        application's cache slot (k_cache, v_cache: [kv_heads, max_len, head_dim] views), attention
+        over the slot through `mask`, the loop's entry and the loop norm as in prefill_block. The
+        slot comes as tensors, not an index, so a block's applications share one compiled graph."""
+        if enter:
+            x, u = self.enter_loop(x, u, pos, begin)
+        q, k, v = self.qkv(x, name, pos)
+        k_cache.index_copy_(1, pos, k)
+        v_cache.index_copy_(1, pos, v)
+        a = F.scaled_dot_product_attention(q.unsqueeze(0), k_cache.unsqueeze(0), v_cache.unsqueeze(0), attn_mask=mask, enable_gqa=self.hk != self.h)
+        x = self.finish(x, a.squeeze(0).transpose(0, 1).reshape(1, -1), name)
+        if norm_after:
+            x = self.norm(x, "final_norm")
+        return x, u
+
+    def decode_step(self, token, pos, block):
         """Logits [1, vocab] for one token at position `pos` (device tensors of one element),
-        attending over the static cache through a mask (the usual static-cache decode)."""
+        attending over the static cache through a mask (the usual static-cache decode); `block`
+        is decode_block, eager or compiled."""
         mask = (self.positions <= pos).view(1, 1, 1, -1)
         x, u = self.embed(token), None
         for slot, (name, begin, enter, norm_after) in enumerate(self.schedule):
-            if enter:
-                x, u = self.enter_loop(x, u, pos, begin)
-            q, k, v = self.qkv(x, name, pos)
-            self.k[slot].index_copy_(1, pos, k)
-            self.v[slot].index_copy_(1, pos, v)
-            a = F.scaled_dot_product_attention(q.unsqueeze(0), self.k[slot].unsqueeze(0), self.v[slot].unsqueeze(0), attn_mask=mask, enable_gqa=self.hk != self.h)
-            x = self.finish(x, a.squeeze(0).transpose(0, 1).reshape(1, -1), name)
-            if norm_after:
-                x = self.norm(x, "final_norm")
+            x, u = block(x, name, pos, mask, self.k[slot], self.v[slot], u, begin, enter, norm_after)
         return self.head(self.head_input(x))
 
 
@@ -400,22 +410,70 @@ def cuda_ms(fn, repeats, warmup=3):
     return sorted(times)[len(times) // 2]
 
 
-def time_decode(net, step, prompt, steps, repeats):
-    """Median ms/token of `steps` greedy decode steps after a `prompt`-token prefill."""
-    with torch.no_grad():
-        logits = net.prefill(prompt, net.prefill_block)
-    first = logits.argmax(-1)
-    pos = torch.tensor([prompt.shape[0]], device="cuda")
+def decode_fn(net, compile, mode):
+    """The decode step (token, pos) -> logits of `net`: eager (compile None), compiled as one
+    graph ("step"), or an eager loop over compiled block applications ("block": one graph per
+    block and schedule flags, shared by the block's applications in every iteration, so the
+    compile time does not grow with the loop count). Either way a CUDA graph of the whole token
+    removes the Python dispatch."""
+    opts = {"mode": mode, "fullgraph": True, "dynamic": False}
+    if compile == "step":
+        return torch.compile(functools.partial(net.decode_step, block=net.decode_block), **opts)
+    block = torch.compile(net.decode_block, **opts) if compile == "block" else net.decode_block
+    return functools.partial(net.decode_step, block=block)
 
-    def run():
-        tok = first.clone()
-        pos.fill_(prompt.shape[0])
-        for _ in range(steps):
-            tok = step(tok, pos).argmax(-1)
-            pos.add_(1)
 
+def decode_token(step, tok, pos):
+    """One greedy token, in place: the logits of token `tok` at position `pos` (tensors of one
+    element), then tok <- their argmax and pos += 1, so that a CUDA graph of this call, replayed,
+    generates the next token."""
+    logits = step(tok, pos)
+    tok.copy_(logits.argmax(-1))
+    pos.add_(1)
+    return logits
+
+
+def cuda_graph(fn, warmup=3):
+    """fn() captured as one CUDA graph; returns its replay. The warm-up calls (compilation,
+    autotuning, cuBLAS handles and workspaces) run on a side stream, the capture on the same one
+    (the torch.cuda.graphs recipe)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph.replay
+
+
+def time_decode(net, step, prompt, steps, repeats, graphs):
+    """Median ms/token of `steps` greedy tokens after a `prompt`-token prefill, and the seconds
+    its first tokens took: compilation, and with graphs "manual" the capture of one token
+    (decode_token: step, argmax, pos += 1) as one CUDA graph, which each timed token replays."""
+    n = prompt.shape[0]
     with torch.no_grad():
-        return cuda_ms(run, repeats, warmup=2) / steps
+        first = net.prefill(prompt, net.prefill_block).argmax(-1)
+        tok, pos = first.clone(), torch.tensor([n], device="cuda")  # the static inputs
+        token = functools.partial(decode_token, step, tok, pos)
+        t0 = time.perf_counter()
+        if graphs == "manual":
+            token = cuda_graph(token)
+        else:
+            for _ in range(3):  # compilation; reduce-overhead records its graphs by the second call
+                token()
+        torch.cuda.synchronize()
+        setup = time.perf_counter() - t0
+
+        def run():
+            tok.copy_(first)
+            pos.fill_(n)
+            for _ in range(steps):
+                token()
+
+        return cuda_ms(run, repeats, warmup=2) / steps, setup
 
 
 def log(line):
@@ -475,11 +533,15 @@ def check(args):
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
     net = Net(config, tensors, dense_linears(tensors, dtype), dtype, loop_counts[0], max_len, device="cpu")
-    variants = [("eager", net.prefill_block, net.decode_step)]
+    prefills = [("eager", net.prefill_block)]
+    # (label, prefill block, decode step): the compiled steps are the GPU run's, less the CUDA
+    # graph around decode_token (none on the CPU), and decode from the compiled prefill's cache.
+    decoders = [("eager", net.prefill_block, decode_fn(net, None, None))]
     if args.check_compile:
         allow_recompiles(64)
-        variants.append(("compiled", torch.compile(net.prefill_block, dynamic=False),
-                         torch.compile(net.decode_step, mode="reduce-overhead", fullgraph=True)))
+        block = torch.compile(net.prefill_block, dynamic=False)
+        prefills.append(("compiled", block))
+        decoders += [(f"compiled {what}", block, decode_fn(net, what, args.decode_compile_mode)) for what in ("step", "block")]
     result = {"model": args.model, "torch": torch.__version__, "dtype": args.check_dtype,
               "architecture": config["architecture"], "prompt": prompt, "tolerance": args.check_tol}
     worst = 0.0
@@ -490,14 +552,14 @@ def check(args):
     result["prefill"] = []
     for loops in loop_counts:
         net.set_loops(loops, max_len)
-        for label, block, _ in variants:
+        for label, block in prefills:
             with torch.no_grad():
                 got = net.prefill(tokens, block)[0]
             d = rel(got, ref[loops - 1])
             worst = max(worst, d)
             same = int(got.float().argmax()) == int(ref[loops - 1].argmax())
             result["prefill"].append({"impl": label, "loops": loops, "max_rel_diff": d, "argmax_equal": same})
-            log(f"check prefill {label:8} L {loops:2}  max rel diff {d:.2e}  argmax {'equal' if same else 'DIFFERS'}")
+            log(f"check prefill {label:14} L {loops:2}  max rel diff {d:.2e}  argmax {'equal' if same else 'DIFFERS'}")
 
     # Decode from the static cache: TinyLoop's greedy tokens, fed back (teacher forcing), each
     # step's logits against TinyLoop's at that prefix; equal argmaxes mean equal greedy output.
@@ -505,17 +567,19 @@ def check(args):
     refs = [lens(prompt + gen[:i], dl)[dl - 1] for i in range(len(gen))]
     result["decode"] = {"loops": dl, "tinyloop_tokens": gen}
     net.set_loops(dl, max_len)
-    for label, block, step in variants:
+    for label, block, step in decoders:
         with torch.no_grad():
             logits = [net.prefill(tokens, block)[0]]
-            for i in range(len(gen) - 1):
-                pos = torch.tensor([len(prompt) + i])
-                logits.append(step(torch.tensor([gen[i]]), pos)[0].clone())
+            mine = [int(logits[0].float().argmax())]
+            tok, pos = torch.tensor([0]), torch.tensor([len(prompt)])
+            for t in gen[:-1]:
+                tok.fill_(t)  # TinyLoop's token; decode_token replaces it by the peer's argmax
+                logits.append(decode_token(step, tok, pos)[0].clone())
+                mine.append(int(tok))
         diffs = [rel(got, want) for got, want in zip(logits, refs)]
-        mine = [int(l.float().argmax()) for l in logits]
         worst = max(worst, max(diffs))
         result["decode"][label] = {"max_rel_diff": max(diffs), "tokens": mine, "tokens_equal": mine == gen}
-        log(f"check decode  {label:8} L {dl:2}  {len(gen)} tokens, max rel diff {max(diffs):.2e}  "
+        log(f"check decode  {label:14} L {dl:2}  {len(gen)} tokens, max rel diff {max(diffs):.2e}  "
             f"greedy tokens {'equal' if mine == gen else f'DIFFER: {mine} vs {gen}'}")
     result["max_rel_diff"] = worst
     result["pass"] = worst <= args.check_tol
@@ -538,6 +602,13 @@ def main():
     ap.add_argument("--decode-loops", type=int, default=8)
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--decode-graphs", default="manual", choices=("manual", "reduce-overhead", "none"),
+                    help="CUDA graphs of the decode: one torch.cuda.CUDAGraph per token (manual), inductor's "
+                    "(torch.compile mode reduce-overhead, the whole step compiled), or none")
+    ap.add_argument("--decode-compile", choices=("block", "step"), help="what torch.compile compiles in the "
+                    "decode: each block application, or the whole step (default: block; step with reduce-overhead)")
+    ap.add_argument("--decode-compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+                    help="torch.compile mode of the decode, unless --decode-graphs reduce-overhead")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check-logits", metavar="TOKENS", help="comma-separated prompt token ids: check the "
                     "network against TinyLoop on the CPU (no timing) and exit")
@@ -548,6 +619,12 @@ def main():
     ap.add_argument("--check-compile", action="store_true", help="also check the torch.compile'd prefill block and decode step")
     ap.add_argument("--tinyloop", metavar="BIN", help="the tinyloop binary of the check (default: target/release/tinyloop)")
     args = ap.parse_args()
+    if args.decode_graphs == "reduce-overhead":
+        if args.decode_compile == "block":  # each block application mutates its cache slot, an input
+            ap.error("--decode-graphs reduce-overhead: CUDA graph trees skip functions that mutate their "
+                     "inputs, as a compiled block does; use --decode-compile step")
+        args.decode_compile = "step"
+    args.decode_compile = args.decode_compile or "block"
     if args.check_logits:
         sys.exit(check(args))
     prompts = [int(p) for p in args.prompts.split(",")]
@@ -561,13 +638,16 @@ def main():
     max_len = max(prompts + [args.decode_prompt + args.steps + 8])
     gen = torch.Generator().manual_seed(0)
     vocab = config["vocab_size"]
+    decode_mode = "reduce-overhead" if args.decode_graphs == "reduce-overhead" else args.decode_compile_mode
     result = {"model": args.model, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "compile_mode": args.compile_mode, "prefill": [], "decode": []}
+              "compile_mode": args.compile_mode, "decode_graphs": args.decode_graphs,
+              "decode_compile": args.decode_compile, "decode_compile_mode": decode_mode, "prefill": [], "decode": []}
 
     net = Net(config, tensors, dense_linears(tensors), torch.float16, loop_counts[0], max_len)
-    # Distinct block applications (block and schedule flags) over the loop counts, per prompt length.
+    # Distinct block applications (block and schedule flags) over the loop counts, per prompt
+    # length, and those of the decode, per decode peer.
     apps = {app for loops in loop_counts for app in net.plan(loops)}
-    allow_recompiles(max(64, (len(apps) + 2) * len(prompts) + 8))
+    allow_recompiles(max(64, (len(apps) + 2) * len(prompts) + 2 * len(set(net.plan(args.decode_loops))) + 8))
     variants = [("eager", net.prefill_block)]
     if not args.no_compile:
         variants.append((f"compiled ({args.compile_mode})", torch.compile(net.prefill_block, mode=args.compile_mode, dynamic=False)))
@@ -587,7 +667,9 @@ def main():
 
     if not args.no_decode:
         prompt = torch.randint(0, vocab, (args.decode_prompt,), generator=gen).cuda()
-        peers = [("fp16 compiled (reduce-overhead)", net)]
+        graphs = {"manual": "one CUDA graph per token", "reduce-overhead": "inductor CUDA graphs", "none": "no CUDA graphs"}
+        method = f"compiled {args.decode_compile} ({decode_mode}), {graphs[args.decode_graphs]}"
+        peers = [("fp16", net)]
         why = int4_missing() or next((Int4.unsupported(q, g) for (q, _, _, g) in quant.values() if Int4.unsupported(q, g)), None)
         if not quant:
             why = "the model has no quantized weights"
@@ -596,7 +678,7 @@ def main():
             result["int4_skipped"] = why
         else:
             int4 = Net(config, tensors, int4_linears(tensors, quant), torch.bfloat16, args.decode_loops, max_len)
-            peers.append(("int4 weight-only compiled (reduce-overhead)", int4))
+            peers.append(("int4 weight-only", int4))
             # The repacking must reproduce the file's weights (up to bf16 scales): check one.
             name = next(iter(quant))
             x = torch.randn(4, tensors[name].shape[1], generator=gen).cuda()
@@ -609,15 +691,17 @@ def main():
             if err > 2e-2:
                 log("int4 weight-only peer dropped: its repacked weights do not match the file's")
                 peers.pop()
-        for label, model in peers:
+        for weights, model in peers:
             model.set_loops(args.decode_loops, max_len)
-            step = torch.compile(model.decode_step, mode="reduce-overhead", fullgraph=True)
             t0 = time.perf_counter()
-            ms = time_decode(model, step, prompt, args.steps, 3)
-            row = {"impl": label, "prompt": args.decode_prompt, "loops": args.decode_loops, "ms_per_token": ms,
-                   "wall_s": time.perf_counter() - t0}
+            step = decode_fn(model, args.decode_compile, decode_mode)
+            ms, setup = time_decode(model, step, prompt, args.steps, 3, args.decode_graphs)
+            row = {"impl": f"{weights} {method}", "weights": weights, "decode_graphs": args.decode_graphs,
+                   "decode_compile": args.decode_compile, "decode_compile_mode": decode_mode,
+                   "prompt": args.decode_prompt, "loops": args.decode_loops, "ms_per_token": ms,
+                   "compile_capture_s": setup, "wall_s": time.perf_counter() - t0}
             result["decode"].append(row)
-            log(f"decode  {label:44} L {args.decode_loops:2}  {ms:8.4f} ms/token")
+            log(f"decode  {row['impl']}  L {args.decode_loops:2}  {ms:8.4f} ms/token  (compile + capture {setup:.1f} s)")
 
     if args.json:
         print(json.dumps(result))
@@ -626,9 +710,10 @@ def main():
     for r in result["prefill"]:
         print(f"  {r['impl']:32} prompt {r['prompt']:5}  L {r['loops']:2}  {r['ms']:9.3f} ms  {r['tflops_per_s']:7.1f} TFLOP/s")
     if result["decode"]:
-        print("decode (ms/token):")
+        print("decode (ms/token; compile + capture s):")
+        width = max(len(r["impl"]) for r in result["decode"])
         for r in result["decode"]:
-            print(f"  {r['impl']:44} L {r['loops']:2}  {r['ms_per_token']:.4f}")
+            print(f"  {r['impl']:{width}}  L {r['loops']:2}  {r['ms_per_token']:.4f}  {r['compile_capture_s']:7.1f}")
 
 
 if __name__ == "__main__":

@@ -138,11 +138,12 @@ impl Session {
         if req.exit.is_some_and(|e| e.policy == ExitPolicy::Skip) {
             self.shared.kv_layout.check_entry_copies()?;
         }
-        if req.exit.is_some() && !matches!(start, Start::Prompt) {
-            return Err(Error::invalid(
-                "an exit rule applies to generate and stream calls from a prompt; prefix \
-                 caches and speculation run every token to its last iteration",
-            ));
+        if let Some(exit) = &req.exit {
+            match start {
+                Start::Prompt => {}
+                Start::Speculative(_) => speculative::check_exit(exit)?,
+                Start::Prefix(_) => handles::check_exit(exit)?,
+            }
         }
         let cancel = self.cancel.clone();
         let result = match start {
@@ -243,22 +244,34 @@ impl Session {
         self.stats.clone()
     }
 
-    /// [`Session::score`] with an exit rule (reference policy): each position's logits are those
-    /// of its exit iteration, returned beside the logits. The gate decides per position; a
-    /// criterion decides for the call, from its last position (every position gets the call's
-    /// exit iteration).
+    /// [`Session::score`] with an exit rule: each position's logits are those of its exit
+    /// iteration, returned beside the logits. `tokens[..prompt_len]` run as a generation call's
+    /// prompt does, every later position as a generated token does (its own step, at the rule's
+    /// policy): the logits generation computes had it produced `tokens[prompt_len..]`. The gate
+    /// decides per position; a criterion decides per call, so the prompt's positions get the
+    /// iteration of the step they were in (one step unless `prefill_chunk` cuts the prompt).
     pub fn score_exit(
         &mut self,
         tokens: &[u32],
+        prompt_len: usize,
         loops: Option<usize>,
         exit: Exit,
     ) -> Result<(Vec<f32>, Vec<u32>)> {
         self.start_call(None)?;
-        let loops = self.check_score(tokens, loops)?;
+        let loops = self.check_tokens(tokens, loops)?;
+        if !(1..=tokens.len()).contains(&prompt_len) {
+            return Err(Error::invalid(format!(
+                "prompt_len {prompt_len} must be in 1..={} (the tokens scored)",
+                tokens.len()
+            )));
+        }
         let rule = exit.resolve(self.config())?;
+        if rule.policy == ExitPolicy::Skip {
+            self.shared.kv_layout.check_entry_copies()?;
+        }
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::score_exit(
-            b, w, buf, tokens, loops, rule, &cancel
+            b, w, buf, tokens, prompt_len, loops, rule, &cancel
         ));
         self.account();
         result

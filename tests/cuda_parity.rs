@@ -1699,7 +1699,12 @@ fn cuda_exit_rule_matches_the_reference() {
     let mut session = gpu.new_session().unwrap();
     for (i, t) in [0.3, 0.5, 0.7, 0.9].into_iter().enumerate() {
         let (_, exits) = session
-            .score_exit(&prompt, Some(4), gate(t, ExitPolicy::Reference))
+            .score_exit(
+                &prompt,
+                prompt.len(),
+                Some(4),
+                gate(t, ExitPolicy::Reference),
+            )
             .unwrap();
         let expected: Vec<u32> = steps[i * prompt.len()..(i + 1) * prompt.len()]
             .iter()

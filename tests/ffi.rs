@@ -1454,7 +1454,7 @@ fn lens_rows_are_score_last_and_the_trajectory_reads_them() {
             "{i}"
         );
         assert!((point.kl_prev - kl).abs() <= 1e-9 * kl.max(1.0), "{i}");
-        let argmax = (0..vocab).fold(0, |best, j| if row[j] > row[best] { j } else { best });
+        let argmax = common::argmax(row) as usize;
         assert_eq!(point.argmax as usize, argmax, "{i}");
         previous = Some(p);
     }

@@ -195,7 +195,9 @@ fn ouro_exit_decisions_and_logits_equal_the_reference() {
     let mut session = model.new_session().unwrap();
     for (i, threshold) in [0.3, 0.5, 0.7, 0.9].into_iter().enumerate() {
         let exit = gate(threshold, ExitPolicy::Reference);
-        let (logits, exits) = session.score_exit(&prompt, Some(4), exit).unwrap();
+        let (logits, exits) = session
+            .score_exit(&prompt, prompt.len(), Some(4), exit)
+            .unwrap();
         // The reference numbers steps from 0.
         let expected: Vec<u32> = steps[i * prompt.len()..(i + 1) * prompt.len()]
             .iter()
@@ -213,7 +215,9 @@ fn ouro_exit_decisions_and_logits_equal_the_reference() {
         rule: ExitRule::Gate { threshold: None },
         policy: ExitPolicy::Reference,
     };
-    let (_, exits) = session.score_exit(&prompt, Some(4), own).unwrap();
+    let (_, exits) = session
+        .score_exit(&prompt, prompt.len(), Some(4), own)
+        .unwrap();
     assert!(exits.iter().all(|&e| e == 4), "{exits:?}");
 }
 
@@ -331,7 +335,8 @@ fn exit_rules_are_refused_where_they_cannot_apply() {
         .generate_with_prefix(&cache, &[3], &params(ExitPolicy::Reference), &mut |_| true)
         .unwrap_err();
     assert!(
-        err.to_string().contains("prefix caches and speculation"),
+        err.to_string()
+            .contains("a prefix cache takes the exit gate, not a criterion"),
         "{err}"
     );
     let spec = tinyloop::Speculation {
@@ -348,12 +353,32 @@ fn exit_rules_are_refused_where_they_cannot_apply() {
         )
         .unwrap_err();
     assert!(
-        err.to_string().contains("prefix caches and speculation"),
+        err.to_string()
+            .contains("speculation takes the exit gate, not a criterion"),
         "{err}"
     );
-    // Resume handles (Ouro's: Huginn has none).
+    // Resume handles (Ouro's: Huginn has none), and the gate's skip policy under speculation.
     let ouro = open(&ouro, StateInit::Model);
     let mut session = ouro.new_session().unwrap();
+    let gate_params = |policy| GenerateParams {
+        max_tokens: 4,
+        loops: Some(4),
+        exit: Some(gate(0.5, policy)),
+        ..GenerateParams::default()
+    };
+    let err = session
+        .generate_speculative(
+            &[1, 2, 3],
+            &gate_params(ExitPolicy::Skip),
+            &spec,
+            &mut |_| true,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("speculation takes exit_policy reference"),
+        "{err}"
+    );
     let handle = session.build_resume_handle(&[1, 2, 3], Some(4)).unwrap();
     let err = session
         .resume_generate(&handle, &params(ExitPolicy::Reference), &mut |_| true)
@@ -554,7 +579,9 @@ fn huginn_score_with_a_criterion_is_the_prompts_call() {
     for (name, rule, _) in adaptive_runs(&reference) {
         let Some(rule) = rule else { continue };
         let exit = criterion(&rule, ExitPolicy::Reference);
-        let (logits, exits) = session.score_exit(&prompt, Some(32), exit).unwrap();
+        let (logits, exits) = session
+            .score_exit(&prompt, prompt.len(), Some(32), exit)
+            .unwrap();
         let steps = reference.i32s(&format!("adaptive_{name}_steps"));
         let tokens = reference.i32s(&format!("adaptive_{name}_tokens"));
         assert!(
@@ -591,6 +618,103 @@ fn huginn_models_refuse_resume_handles_and_keep_their_other_calls() {
         .generate_with_prefix(&cache, &prompt[5..], &params, &mut |_| true)
         .unwrap();
     assert_eq!(after, plain);
+}
+
+/// Scoring a generation's own tokens after its prompt gives, at each position, the exit
+/// iteration and the argmax that generation had (greedy), under every rule and policy.
+#[test]
+fn score_with_a_generated_tail_equals_generation() {
+    let ouro = open(&converted("ouro-tiny", 16), StateInit::Model);
+    let huginn = open(&converted("huginn-tiny", 16), StateInit::Zeros);
+    for (model, family, loops, exit) in [
+        (&ouro, "ouro-tiny", 4, gate(0.5, ExitPolicy::Reference)),
+        (&ouro, "ouro-tiny", 4, gate(0.5, ExitPolicy::Skip)),
+        (
+            &huginn,
+            "huginn-tiny",
+            32,
+            criterion("kl:0.005", ExitPolicy::Reference),
+        ),
+        (
+            &huginn,
+            "huginn-tiny",
+            32,
+            criterion("kl:0.005", ExitPolicy::Skip),
+        ),
+    ] {
+        let prompt = Reference::load(family).ids("generation_prompt_ids");
+        let params = GenerateParams {
+            max_tokens: 12,
+            loops: Some(loops),
+            exit: Some(exit),
+            ..GenerateParams::default()
+        };
+        let mut session = model.new_session().unwrap();
+        let generated = session.generate(&prompt, &params).unwrap();
+        let exits = session.last_generate_stats().exit_steps;
+        let early = exits.iter().any(|&e| (e as usize) < loops);
+        assert!(early, "{family} {exit:?}: {exits:?}");
+        let n = prompt.len();
+        let tokens = [&prompt[..], &generated[..generated.len() - 1]].concat();
+        let (logits, scored) = session.score_exit(&tokens, n, Some(loops), exit).unwrap();
+        let vocab = model.config().vocab_size;
+        let argmax: Vec<u32> = logits.chunks_exact(vocab).map(common::argmax).collect();
+        assert_eq!(&argmax[n - 1..], &generated[..], "{family} {exit:?}");
+        assert_eq!(&scored[n - 1..], &exits[..], "{family} {exit:?}");
+    }
+    let mut session = ouro.new_session().unwrap();
+    let exit = gate(0.5, ExitPolicy::Reference);
+    for bad in [0, 4] {
+        let err = session.score_exit(&[1, 2, 3], bad, None, exit).unwrap_err();
+        assert!(err.to_string().contains("prompt_len"), "{err}");
+    }
+}
+
+/// Speculation and prefix caches with the exit gate give the tokens and exit iterations of plain
+/// generation with it.
+#[test]
+fn exit_gate_with_speculation_and_prefix_caches_equals_plain_generation() {
+    let model = open(&converted("ouro-tiny", 16), StateInit::Model);
+    let prompt = Reference::load("ouro-tiny").ids("generation_prompt_ids");
+    let params = |policy| GenerateParams {
+        max_tokens: 16,
+        loops: Some(4),
+        exit: Some(gate(0.5, policy)),
+        ..GenerateParams::default()
+    };
+    let mut session = model.new_session().unwrap();
+    let mut run = |call: &mut dyn FnMut(&mut tinyloop::Session) -> Vec<u32>| {
+        let tokens = call(&mut session);
+        (tokens, session.last_generate_stats().exit_steps)
+    };
+    for policy in [ExitPolicy::Reference, ExitPolicy::Skip] {
+        let plain = run(&mut |s| s.generate(&prompt, &params(policy)).unwrap());
+        assert!(plain.1.iter().any(|&e| e < 4), "{policy}: {:?}", plain.1);
+        for split in [1, 5, prompt.len() - 1] {
+            let after = run(&mut |s| {
+                let cache = s.build_prefix_cache(&prompt[..split], Some(4)).unwrap();
+                let rest = &prompt[split..];
+                s.generate_with_prefix(&cache, rest, &params(policy), &mut |_| true)
+                    .unwrap()
+            });
+            assert_eq!(after, plain, "{policy}, prefix of {split}");
+        }
+        if policy == ExitPolicy::Skip {
+            continue; // refused (exit_rules_are_refused_where_they_cannot_apply)
+        }
+        for (draft_len, reuse) in [(1, true), (3, true), (3, false), (6, true)] {
+            let spec = tinyloop::Speculation {
+                draft_loops: 2,
+                draft_len,
+                reuse,
+            };
+            let drafted = run(&mut |s| {
+                s.generate_speculative(&prompt, &params(policy), &spec, &mut |_| true)
+                    .unwrap()
+            });
+            assert_eq!(drafted, plain, "draft_len {draft_len}, reuse {reuse}");
+        }
+    }
 }
 
 #[test]

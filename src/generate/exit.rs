@@ -30,7 +30,7 @@ use std::sync::atomic::AtomicBool;
 use super::criteria::{criterion_step, Criterion};
 use super::sampling::Rng;
 use super::{first_token, next_choice, Output};
-use crate::backend::{Backend, Choice, StepInput};
+use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::error::{Error, Result};
 use crate::kv::Application;
 use crate::model::config::ModelConfig;
@@ -373,9 +373,10 @@ fn exit_rows<B: Backend>(
     }
 }
 
-/// Feed `tokens` from position 0 in the steps [`step_rows`] cuts, the last one (carrying
-/// `choice`) with the exit rule at `loops` iterations; `each(buf, offset, rows, decided)` sees
-/// every step (`decided` empty for the earlier ones, whose outputs nobody reads). With the gate,
+/// Feed `tokens` from position `start` (the positions before it are in the cache: a prefix) in
+/// the steps [`step_rows`] cuts, the last one (carrying `choice`) with the exit rule at `loops`
+/// iterations; `each(buf, offset, rows, decided)` sees every step (`offset` into `tokens`;
+/// `decided` empty for the earlier steps, whose outputs nobody reads). With the gate,
 /// the earlier steps run every iteration unless `every_step_exits`, and every step takes the
 /// reference policy; with a criterion every step is a call that exits. Returns what the last
 /// step decided.
@@ -385,6 +386,7 @@ pub(crate) fn prompt_steps<B: Backend>(
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     tokens: &[u32],
+    start: usize,
     loops: usize,
     exit: ResolvedExit,
     choice: Choice,
@@ -397,11 +399,11 @@ pub(crate) fn prompt_steps<B: Backend>(
     let mut offset = 0;
     let mut decided = Decided::default();
     while offset < tokens.len() {
-        let rows = step_rows(buf, offset, tokens.len() - offset);
+        let rows = step_rows(buf, start + offset, tokens.len() - offset);
         let last = offset + rows == tokens.len();
         let input = StepInput {
             tokens: &tokens[offset..offset + rows],
-            start_pos: offset,
+            start_pos: start + offset,
             choice: if last { choice } else { Choice::Greedy },
         };
         decided = if last || every_step_exits {
@@ -418,14 +420,15 @@ pub(crate) fn prompt_steps<B: Backend>(
     Ok(decided)
 }
 
-/// Generation with an exit rule: the prompt, then one decode step per token, at the rule's
-/// policy; each token records its exit iteration.
+/// Generation with an exit rule: the prompt (after `start` positions already in the cache), then
+/// one decode step per token, at the rule's policy; each token records its exit iteration.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn generate<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     prompt: &[u32],
+    start: usize,
     exit: ResolvedExit,
     out: &mut Output,
     choice: Choice,
@@ -438,6 +441,7 @@ pub(crate) fn generate<B: Backend>(
         w,
         buf,
         prompt,
+        start,
         loops,
         exit,
         choice,
@@ -449,20 +453,53 @@ pub(crate) fn generate<B: Backend>(
     let last_exit = |decided: &Decided| decided.exits[decided.exits.len() - 1];
     let mut next = first_token(backend, w, buf, decided.exits.len() - 1, entropy)?;
     let mut saved = backend.alloc_float(w.config.dim)?;
-    let mut pos = prompt.len();
+    let mut pos = start + prompt.len();
     while out.push_exited(next, last_exit(&decided), decided.values)? {
         let input = StepInput {
             tokens: &[next.token],
             start_pos: pos,
             choice: next_choice(&sampling, rng),
         };
-        decided = exit_rows(
-            backend, w, buf, input, loops, exit, true, &mut saved, cancel,
+        (next, decided) = token_step(
+            backend, w, buf, input, loops, exit, entropy, &mut saved, cancel,
         )?;
-        next = first_token(backend, w, buf, 0, entropy)?;
         pos += 1;
     }
     Ok(())
+}
+
+/// A generated token's step with the exit rule at up to `loops` iterations: feed it (`input`,
+/// one row) and choose the next token from its exit iteration's output. `saved` holds one state.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn token_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    loops: usize,
+    exit: ResolvedExit,
+    entropy: bool,
+    saved: &mut B::Float,
+    cancel: &AtomicBool,
+) -> Result<(Chosen, Decided)> {
+    let decided = generated_step(backend, w, buf, input, loops, exit, saved, cancel)?;
+    Ok((first_token(backend, w, buf, 0, entropy)?, decided))
+}
+
+/// Feed a generated token (`input`, one row) with the exit rule at up to `loops` iterations,
+/// leaving its output state in the residual stream, ready for the head.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn generated_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    input: StepInput,
+    loops: usize,
+    exit: ResolvedExit,
+    saved: &mut B::Float,
+    cancel: &AtomicBool,
+) -> Result<Decided> {
+    exit_rows(backend, w, buf, input, loops, exit, true, saved, cancel)
 }
 
 /// The KV entries of positions `start..start + rows` at iteration `last_run`, copied into the

@@ -8,6 +8,7 @@
 
 use std::sync::atomic::AtomicBool;
 
+use super::exit::{Decision, ResolvedExit};
 use super::sampling::Rng;
 use super::{decode, first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
 use crate::backend::{Backend, StepInput};
@@ -164,6 +165,18 @@ impl<B: Backend> PrefixCache<B> {
     }
 }
 
+/// The exit rules a prefix cache takes: the gate, whose prompt positions run every iteration as
+/// the prefix's did. A criterion makes the prompt's calls exit, which the prefix never did.
+pub fn check_exit(exit: &ResolvedExit) -> Result<()> {
+    match exit.decision {
+        Decision::Gate(_) => Ok(()),
+        Decision::Criterion(..) => Err(Error::invalid(
+            "a prefix cache takes the exit gate, not a criterion: a criterion stops the \
+             prompt's calls at their exit, and the prefix ran every iteration",
+        )),
+    }
+}
+
 /// [`super::generate`] after the prefix of `cache`: the same tokens as generating from the prefix
 /// followed by `prompt`.
 #[allow(clippy::too_many_arguments)]
@@ -190,6 +203,14 @@ pub fn generate_after<B: Backend>(
     give_entries(backend, buf, &cache.entries, 0..cache.entries.slots)?;
     let start = cache.len();
     let choice = next_choice(&req.sampling, &mut rng);
+    if let Some(rule) = req.exit {
+        // The gate's (the only rule a prefix takes): prompt positions run every iteration, as
+        // the prefix's did.
+        super::exit::generate(
+            backend, w, buf, prompt, start, rule, &mut out, choice, &mut rng,
+        )?;
+        return Ok(out.finish());
+    }
     let last = prefill(backend, w, buf, prompt, start, req.loops, choice, cancel)?;
     let first = first_token(backend, w, buf, last, out.measures())?;
     decode(

@@ -158,6 +158,14 @@ impl<'a> Output<'a> {
         Ok(more)
     }
 
+    /// [`Output::push`] of a token, from loop iteration `exit` when it came from one (the gate).
+    pub fn push_from(&mut self, next: Chosen, exit: Option<usize>) -> Result<bool> {
+        match exit {
+            Some(exit) => self.push_exited(next, exit, Vec::new()),
+            None => self.push(next),
+        }
+    }
+
     /// Take the next token; false once generation has ended (then later tokens are dropped).
     pub fn push(&mut self, next: Chosen) -> Result<bool> {
         let token = next.token;
@@ -353,7 +361,7 @@ pub fn generate<B: Backend>(
     let mut out = Output::new(req, cancel, on_token);
     let choice = next_choice(&req.sampling, &mut rng);
     if let Some(rule) = req.exit {
-        exit::generate(backend, w, buf, prompt, rule, &mut out, choice, &mut rng)?;
+        exit::generate(backend, w, buf, prompt, 0, rule, &mut out, choice, &mut rng)?;
         return Ok(out.finish());
     }
     let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
@@ -394,13 +402,18 @@ pub fn score<B: Backend>(
     Ok(out)
 }
 
-/// [`score`] with an exit rule (reference policy): every position's logits are its exit
-/// iteration's, which is returned for every position too.
+/// [`score`] with an exit rule: every position's logits are those of its exit iteration, which is
+/// returned for every position too. `tokens[..prompt_len]` run as a generation call's prompt
+/// does (in steps; with a criterion each step is a call); every later position as a generated
+/// token would (a one-row step at the rule's policy), so the result is what generation computes
+/// had it produced `tokens[prompt_len..]` itself.
+#[allow(clippy::too_many_arguments)]
 pub fn score_exit<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     tokens: &[u32],
+    prompt_len: usize,
     loops: usize,
     rule: exit::ResolvedExit,
     cancel: &AtomicBool,
@@ -410,22 +423,27 @@ pub fn score_exit<B: Backend>(
         crate::alloc::zeroed(tokens.len() * vocab, "the logits of a score call")?;
     let mut exit_steps = Vec::with_capacity(tokens.len());
     let greedy = Choice::Greedy;
+    let (prompt, generated) = tokens.split_at(prompt_len);
+    let mut each = |buf: &mut Buffers<B>, offset: usize, rows: usize, decided: &exit::Decided| {
+        exit_steps.extend(decided.exits.iter().map(|&e| e as u32));
+        let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
+        for_logit_rows(backend, w, buf, rows, LogitsTo::Places(step_out), |_, _| {})
+    };
     exit::prompt_steps(
-        backend,
-        w,
-        buf,
-        tokens,
-        loops,
-        rule,
-        greedy,
-        true,
-        cancel,
-        |buf, offset, rows, decided| {
-            exit_steps.extend(decided.exits.iter().map(|&e| e as u32));
-            let step_out = &mut out[offset * vocab..(offset + rows) * vocab];
-            for_logit_rows(backend, w, buf, rows, LogitsTo::Places(step_out), |_, _| {})
-        },
+        backend, w, buf, prompt, 0, loops, rule, greedy, true, cancel, &mut each,
     )?;
+    let mut saved = backend.alloc_float(w.config.dim)?;
+    for (i, token) in generated.iter().enumerate() {
+        let pos = prompt_len + i;
+        let input = StepInput {
+            tokens: std::slice::from_ref(token),
+            start_pos: pos,
+            choice: greedy,
+        };
+        let decided =
+            exit::generated_step(backend, w, buf, input, loops, rule, &mut saved, cancel)?;
+        each(buf, pos, 1, &decided)?;
+    }
     Ok((out, exit_steps))
 }
 

@@ -23,13 +23,14 @@
 
 use std::sync::atomic::AtomicBool;
 
+use super::exit::{self, Decision, ExitPolicy, ResolvedExit};
 use super::sampling::{self, Rng};
 use super::{first_token, next_choice, prefill, GenerateRequest, GenerateStats, Output};
 use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    argmax_rows, chosen, chosen_token, decode_step, entropies, measure, step_rows, verify_step,
-    Buffers, Decode, HIDDEN_ROWS,
+    argmax_rows, chosen, chosen_token, decode_step, entropies, final_norm, logits, measure,
+    step_rows, verify_step, Buffers, Decode, HIDDEN_ROWS,
 };
 use crate::model::weights::Weights;
 
@@ -67,7 +68,11 @@ impl Speculation {
     }
 }
 
-/// Generate as [`super::generate`] does at `req.loops`, drafting at `spec.draft_loops`.
+/// Generate as [`super::generate`] does at `req.loops`, drafting at `spec.draft_loops`. With an
+/// exit rule (the gate at the reference policy, [`check_exit`]) each verify row is its token's
+/// output at its exit iteration: the verify pass runs every iteration, reading the gate after each
+/// (so it recomputes the drafted iterations rather than continuing from them), and the tokens are
+/// those of plain generation with the rule.
 #[allow(clippy::too_many_arguments)]
 pub fn generate<B: Backend>(
     backend: &B,
@@ -80,15 +85,37 @@ pub fn generate<B: Backend>(
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<(Vec<u32>, GenerateStats)> {
     spec.validate(req.loops)?;
+    let spec = &Speculation {
+        reuse: spec.reuse && req.exit.is_none(),
+        ..*spec
+    };
     let mut rng = Rng::new(req.sampling.seed);
     let mut out = Output::new(req, cancel, on_token);
     let entropy = out.measures();
     let choice = next_choice(&req.sampling, &mut rng);
-    let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
-    let mut next = first_token(backend, w, buf, last, entropy)?;
+    // With an exit rule, the state saved for the exit iteration of each verify row.
+    let mut saved = match req.exit {
+        Some(_) => Some(backend.alloc_float(HIDDEN_ROWS * w.config.dim)?),
+        None => None,
+    };
+    let (mut next, mut next_exit) = match req.exit {
+        None => {
+            let last = prefill(backend, w, buf, prompt, 0, req.loops, choice, cancel)?;
+            (first_token(backend, w, buf, last, entropy)?, None)
+        }
+        Some(rule) => {
+            let ignore = |_: &mut Buffers<B>, _, _, _: &_| Ok(());
+            let decided = exit::prompt_steps(
+                backend, w, buf, prompt, 0, req.loops, rule, choice, false, cancel, ignore,
+            )?;
+            let last = decided.exits.len() - 1;
+            let first = first_token(backend, w, buf, last, entropy)?;
+            (first, Some(decided.exits[last]))
+        }
+    };
     let mut pos = prompt.len();
     let capacity = buf.kv.layout.capacity;
-    while out.push(next)? {
+    while out.push_from(next, next_exit)? {
         // A round needs positions pos..=pos + k, and produces up to k + 1 tokens. Its rows must
         // not straddle a tier change (CTX-TIER or age), so that the verify step computes what
         // one-token steps would.
@@ -99,30 +126,71 @@ pub fn generate<B: Backend>(
         let k = step_rows(buf, pos, k + 1) - 1;
         if k == 0 {
             // Too close to an end or a tier change for a draft: one plain step.
-            next = plain_step(backend, w, buf, &out, next.token, pos, &mut rng)?;
+            (next, next_exit) = plain_step(
+                backend,
+                w,
+                buf,
+                &out,
+                next.token,
+                pos,
+                &mut rng,
+                saved.as_mut(),
+            )?;
             pos += 1;
             continue;
         }
         let round = round(
-            backend, w, buf, req, spec, next.token, pos, k, entropy, &mut rng,
+            backend,
+            w,
+            buf,
+            req,
+            spec,
+            next.token,
+            pos,
+            k,
+            entropy,
+            &mut rng,
+            saved.as_mut(),
+            cancel,
         )?;
         let stats = &mut out.stats;
         stats.drafted += k;
         stats.accepted += round.accepted;
         stats.agreed += round.agreed;
+        let exit_of = |j: usize| round.exits.as_ref().map(|exits| exits[j]);
         let (&last, accepted) = round.tokens.split_last().expect("a round yields a token");
-        for &t in accepted {
-            if !out.push(t)? {
+        for (j, &t) in accepted.iter().enumerate() {
+            if !out.push_from(t, exit_of(j))? {
                 return Ok(out.finish());
             }
         }
-        next = last;
+        (next, next_exit) = (last, exit_of(accepted.len()));
         pos += round.tokens.len();
     }
     Ok(out.finish())
 }
 
-/// Feed `token` at `pos` in a plain decode step and return the token chosen after it.
+/// The exit rules speculation takes: the gate at the reference policy. A criterion decides per
+/// call, and a verify step would be one call for several tokens; under `skip` a verify row would
+/// attend to deeper states of earlier rows that had exited, where plain generation copies their
+/// exit state.
+pub fn check_exit(exit: &ResolvedExit) -> Result<()> {
+    match (exit.decision, exit.policy) {
+        (Decision::Gate(_), ExitPolicy::Reference) => Ok(()),
+        (Decision::Criterion(..), _) => Err(Error::invalid(
+            "speculation takes the exit gate, not a criterion: a criterion decides per call, and \
+             a verify step checks several tokens in one",
+        )),
+        (Decision::Gate(_), ExitPolicy::Skip) => Err(Error::invalid(
+            "speculation takes exit_policy reference: under skip, a verify step's rows would \
+             see the skipped iterations of the rows before them computed instead of copied",
+        )),
+    }
+}
+
+/// Feed `token` at `pos` in a plain decode step (with the request's exit rule, when it has one,
+/// keeping its exit state in `saved`) and return the token chosen after it, with its exit.
+#[allow(clippy::too_many_arguments)]
 fn plain_step<B: Backend>(
     backend: &B,
     w: &Weights<B>,
@@ -131,28 +199,41 @@ fn plain_step<B: Backend>(
     token: u32,
     pos: usize,
     rng: &mut Rng,
-) -> Result<Chosen> {
+    saved: Option<&mut B::Float>,
+) -> Result<(Chosen, Option<usize>)> {
     let input = StepInput {
         tokens: &[token],
         start_pos: pos,
         choice: next_choice(&out.req.sampling, rng),
     };
-    let entropy = out.measures();
-    let step = Decode::plain(out.req.loops).measured(entropy);
-    decode_step(backend, w, buf, input, step)?;
-    chosen(backend, buf, entropy)
+    let (loops, entropy) = (out.req.loops, out.measures());
+    if let (Some(rule), Some(saved)) = (out.req.exit, saved) {
+        let cancel = out.cancel;
+        let (next, decided) =
+            exit::token_step(backend, w, buf, input, loops, rule, entropy, saved, cancel)?;
+        return Ok((next, Some(decided.exits[0])));
+    }
+    decode_step(
+        backend,
+        w,
+        buf,
+        input,
+        Decode::plain(loops).measured(entropy),
+    )?;
+    Ok((chosen(backend, buf, entropy)?, None))
 }
 
 /// What one round decided: the accepted drafts followed by the verify pass's token, each with the
-/// entropy of its verify row when measured.
+/// entropy of its verify row when measured, and with an exit rule each verify row's exit.
 struct Round {
     tokens: Vec<Chosen>,
     accepted: usize,
     agreed: usize,
+    exits: Option<Vec<usize>>,
 }
 
 /// Draft `k` tokens after `t` (at `pos`) and verify them; with `entropy`, measure the verify
-/// rows' entropies.
+/// rows' entropies. With an exit rule, `saved` holds the verify rows' exit states.
 #[allow(clippy::too_many_arguments)]
 fn round<B: Backend>(
     backend: &B,
@@ -165,6 +246,8 @@ fn round<B: Backend>(
     k: usize,
     entropy: bool,
     rng: &mut Rng,
+    saved: Option<&mut B::Float>,
+    cancel: &AtomicBool,
 ) -> Result<Round> {
     let vocab = w.config.vocab_size;
     let sampling = req.sampling;
@@ -209,15 +292,21 @@ fn round<B: Backend>(
         start_pos: pos,
         choice: Choice::Greedy,
     };
-    verify_step(
-        backend,
-        w,
-        buf,
-        verify,
-        spec.draft_loops,
-        req.loops,
-        spec.reuse,
-    )?;
+    let exits = match (req.exit.map(|e| e.decision), saved) {
+        (Some(Decision::Gate(threshold)), Some(saved)) => {
+            let exits = exit::exit_step(
+                backend, w, buf, verify, req.loops, threshold, false, saved, cancel,
+            )?;
+            final_norm(backend, w, buf, k + 1);
+            logits(backend, w, buf, 0, k + 1);
+            Some(exits)
+        }
+        _ => {
+            let (draft_loops, loops) = (spec.draft_loops, req.loops);
+            verify_step(backend, w, buf, verify, draft_loops, loops, spec.reuse)?;
+            None
+        }
+    };
     let drafts = &inputs[1..];
     if entropy {
         measure(backend, w, buf, k + 1);
@@ -243,6 +332,7 @@ fn round<B: Backend>(
             tokens,
             accepted,
             agreed,
+            exits,
         });
     }
     let rows = backend.read_float(&buf.logits, 0, (k + 1) * vocab)?;
@@ -268,6 +358,7 @@ fn round<B: Backend>(
             accepted: j,
             agreed,
             tokens,
+            exits,
         });
     }
     let bonus = draw(&sampling::distribution(verified[k], &sampling), rng);
@@ -276,6 +367,7 @@ fn round<B: Backend>(
         accepted: k,
         agreed,
         tokens,
+        exits,
     })
 }
 

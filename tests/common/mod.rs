@@ -297,3 +297,8 @@ pub fn loop_body_bytes(
     }
     (loaded, repacked)
 }
+
+/// The index of a row's largest value (the first of equal ones), as greedy decoding picks it.
+pub fn argmax(row: &[f32]) -> u32 {
+    (0..row.len()).fold(0, |best, j| if row[j] > row[best] { j } else { best }) as u32
+}
