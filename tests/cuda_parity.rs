@@ -1747,6 +1747,34 @@ fn cuda_exit_rule_matches_the_reference() {
     if gpu_skip != cpu_skip {
         failures.push(format!("skip: gpu {gpu_skip:?}, cpu {cpu_skip:?}"));
     }
+    // Speculation (multi-row verify steps reading the gate) and a prefix cache give the plain
+    // call's tokens and exits.
+    let params = GenerateParams {
+        max_tokens: 16,
+        loops: Some(4),
+        exit: Some(gate(0.5, ExitPolicy::Reference)),
+        ..GenerateParams::default()
+    };
+    let mut s = gpu.new_session().unwrap();
+    let spec = tinyloop::Speculation {
+        draft_loops: 2,
+        draft_len: 3,
+        reuse: true,
+    };
+    let drafted = s
+        .generate_speculative(&short, &params, &spec, &mut |_| true)
+        .unwrap();
+    let drafted = (drafted, s.last_generate_stats().exit_steps);
+    let cache = s.build_prefix_cache(&short[..5], Some(4)).unwrap();
+    let after = s
+        .generate_with_prefix(&cache, &short[5..], &params, &mut |_| true)
+        .unwrap();
+    let after = (after, s.last_generate_stats().exit_steps);
+    for (what, got) in [("speculation", drafted), ("prefix cache", after)] {
+        if got != (tokens.clone(), exits.clone()) {
+            failures.push(format!("{what} at 0.5: {got:?}"));
+        }
+    }
     finish("cuda_exit_rule_matches_the_reference", failures);
 }
 
