@@ -162,7 +162,8 @@ typedef struct tl_generate_params {
     // Generate after the prefix held by this cache (from `tl_prefix_cache_new` on the same
     // model, built at the same loops): the same tokens as generating from the prefix followed
     // by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
-    // and their session forms; the other generation functions reject a non-NULL value.
+    // and their session forms; the other generation functions and `tl_score_exit` reject a
+    // non-NULL value.
     const struct tl_prefix_cache *prefix_cache;
     // CTX-TIER policy of the call (`tl_ctx_tier_params`, only read during the call). NULL
     // (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
@@ -183,8 +184,8 @@ typedef struct tl_generate_params {
     double beta_mon_agreement_floor;
     // Adaptive exit with the model's exit gate at this cumulative exit probability, in [0, 1]
     // (docs/ABI.md "Adaptive exit"); shorthand for `exit` "gate:T". Negative (default -1): no
-    // threshold. Read by `tl_generate`, `tl_generate_stream`, their session forms and the
-    // score calls with an exit.
+    // threshold. Read by `tl_generate`, `tl_generate_stream`, `tl_score_exit` and their
+    // session forms.
     double exit_threshold;
     // Adaptive exit rule: "gate" (the model's own threshold) or "gate:T", or one of Huginn's
     // criteria "entropy-diff", "latent-diff", "cosine", "kl", "minp-kl" (each with an optional
@@ -630,6 +631,45 @@ enum tl_status tl_score(const struct tl_model *model, const int32_t *tokens, siz
 // # Safety
 // `tokens` valid for `n_tokens` reads; `out` for `cap` writes; `len` for one write.
 enum tl_status tl_session_score(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, int32_t loops, float *out, size_t cap, size_t *len);
+
+// `tl_score` under an exit rule (docs/ABI.md "Adaptive exit"), on the model's default session:
+// logits `[n_tokens, vocab_size]` (row-major) into `out[0..*len]`, each position's from its exit
+// iteration, and those iterations (1-based) into `exit_steps[0..n_tokens]` unless it is NULL.
+// `tokens[0..prompt_len]` run as a generation call's prompt does and every later position as a
+// generated token does (its own one-row step at the rule's policy), so the result is what
+// generation computes had it produced `tokens[prompt_len..]`. The gate decides per position; a
+// criterion per call, so the prompt's positions get the iteration of the step they ran in.
+// `params` gives `loops` and the rule (`exit_threshold` or `exit`, and `exit_policy`), which is
+// required; its sampling fields, `max_tokens`, stop tokens, `ctx_tier` and `beta_monitor`
+// fields are not read (a score call chooses no token and runs without a tier). `cap` must
+// be >= n_tokens * vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`
+// before any work. Not limited by prefill_chunk (the prompt runs in its chunks, as
+// generation's).
+//
+// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL `model`, `tokens`, `params` or `len`; no tokens, a
+// negative token or one >= vocab_size, more than max_seq_len; `prompt_len` 0 or above
+// n_tokens; no exit rule, bad exit fields or loops, the gate on a model without an exit gate,
+// `exit_policy` "skip" in KV mode delta or age, `prefix_cache` set), `TL_ERR_BUFFER_TOO_SMALL`,
+// `TL_ERR_BUSY` (another call on this model is running), `TL_ERR_CANCELLED` (`tl_cancel`,
+// `tl_close`), `TL_ERR_CLOSED`. `out`, `*len` and `exit_steps` are written only on success.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+//
+// # Safety
+// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
+// `out` valid for `cap` writes; `len` for one write; `exit_steps` NULL or valid for `n_tokens`
+// writes.
+enum tl_status tl_score_exit(const struct tl_model *model, const int32_t *tokens, size_t n_tokens, size_t prompt_len, const struct tl_generate_params *params, float *out, size_t cap, size_t *len, int32_t *exit_steps);
+
+// `tl_score_exit` on a session: logits `[n_tokens, vocab_size]` under the exit rule of
+// `params` into `out[0..*len]`, each position's exit iteration into `exit_steps` unless it is
+// NULL. `TL_ERR_BUSY` when another call on this session is running.
+//
+// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+//
+// # Safety
+// Pointers other than `session` as `tl_score_exit`.
+enum tl_status tl_session_score_exit(const struct tl_session *session, const int32_t *tokens, size_t n_tokens, size_t prompt_len, const struct tl_generate_params *params, float *out, size_t cap, size_t *len, int32_t *exit_steps);
 
 // `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1 on the model's default session,
 // into `out[0..*len]` (n_tokens >= 2; `cap` >= n_tokens - 1, else `TL_ERR_BUFFER_TOO_SMALL`).

@@ -794,6 +794,28 @@ fn c_abi_counts_take_any_value_without_panicking() {
         };
         c_accept_or_name(&what, "loops", status);
     }
+    // The prompt of a score call with an exit: 1..=n_tokens.
+    let rule = std::ffi::CString::new("argmax:1").unwrap();
+    let mut exit = common::ffi::gen_params(1);
+    exit.exit = rule.as_ptr();
+    for prompt_len in [0, 1, 3, 4, 1 << 32, isize::MAX as usize + 1, usize::MAX] {
+        let (mut out, mut len) = (vec![0f32; 3 * 256], 0);
+        // SAFETY: the prompt, params and buffer are valid for the lengths given.
+        let status = unsafe {
+            tl_score_exit(
+                model.0,
+                prompt.as_ptr(),
+                prompt.len(),
+                prompt_len,
+                &exit,
+                out.as_mut_ptr(),
+                out.len(),
+                &mut len,
+                std::ptr::null_mut(),
+            )
+        };
+        c_accept_or_name(&format!("prompt_len = {prompt_len}"), "prompt_len", status);
+    }
     for t in [i32::MIN, -1, 256, i32::MAX] {
         let what = format!("token {t}");
         c_accept_or_name(

@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier};
 use common::ffi::{gen_params, last_error, model_params, open, Handle};
 use tinyloop::ffi::*;
 use tinyloop::model::synth::{preset, random_model};
-use tinyloop::{Device, GenerateParams, Model, ModelOptions, SamplingParams};
+use tinyloop::{Device, Exit, ExitPolicy, GenerateParams, Model, ModelOptions, SamplingParams};
 
 /// Write (once per process) a synthetic `preset` model and return its path.
 fn model_file(preset_name: &str) -> PathBuf {
@@ -1076,6 +1076,277 @@ fn generate_params_exit_is_checked() {
             assert!(last_error().contains(says), "{says}: {}", last_error());
         }
     }
+}
+
+/// Where a score call with an exit runs.
+#[derive(Clone, Copy)]
+enum On<'a> {
+    Model(&'a Handle),
+    Session(&'a SessionHandle),
+}
+
+/// What `tl_score_exit` (or its session form) returned and left: the status, `*len`, the logits
+/// and the exit iterations (the buffers start as NaN and -1, `*len` as 7, so what a failed call
+/// wrote shows). `steps` false passes `exit_steps` NULL.
+struct ExitScored {
+    status: tl_status,
+    len: usize,
+    logits: Vec<f32>,
+    steps: Vec<i32>,
+}
+
+fn score_exit(
+    on: On,
+    tokens: &[i32],
+    prompt_len: usize,
+    p: Option<&tl_generate_params>,
+    cap: usize,
+    steps: bool,
+) -> ExitScored {
+    let (mut logits, mut exits, mut len) = (vec![f32::NAN; cap], vec![-1i32; tokens.len()], 7);
+    let exit_steps = if steps {
+        exits.as_mut_ptr()
+    } else {
+        ptr::null_mut()
+    };
+    let p = p.map_or(ptr::null(), |p| p as *const tl_generate_params);
+    let (t, n, out) = (tokens.as_ptr(), tokens.len(), logits.as_mut_ptr());
+    // SAFETY: the tokens, params and buffers are valid for the lengths given.
+    let status = unsafe {
+        match on {
+            On::Model(m) => tl_score_exit(m.0, t, n, prompt_len, p, out, cap, &mut len, exit_steps),
+            On::Session(s) => {
+                tl_session_score_exit(s.0, t, n, prompt_len, p, out, cap, &mut len, exit_steps)
+            }
+        }
+    };
+    ExitScored {
+        status,
+        len,
+        logits,
+        steps: exits,
+    }
+}
+
+/// `gen_params` with an exit rule: `threshold` (negative: none), `rule` and `policy` ("": NULL).
+fn exit_params(threshold: f64, rule: &CStr, policy: &CStr) -> tl_generate_params {
+    let mut p = gen_params(1);
+    p.loops = 4;
+    p.exit_threshold = threshold;
+    let or_null = |s: &CStr| {
+        if s.is_empty() {
+            ptr::null()
+        } else {
+            s.as_ptr()
+        }
+    };
+    (p.exit, p.exit_policy) = (or_null(rule), or_null(policy));
+    p
+}
+
+/// "ROMEO:" and six more bytes, scored with the first six as the prompt.
+const SCORED: [i32; 12] = [82, 79, 77, 69, 79, 58, 32, 87, 104, 101, 114, 101];
+
+/// `tl_score_exit` and its session form return `Session::score_exit`'s logits and exit
+/// iterations (the same computation on the same device, so exactly), with `exit_steps` or
+/// without, under the gate (both policies) and a criterion.
+#[test]
+fn score_exit_equals_the_rust_api() {
+    let path = model_file("tiny-sandwich");
+    let (model, rust) = (open(&path, 128), rust_model(&path));
+    let session = new_session(&model);
+    let mut rs = rust.new_session().unwrap();
+    let vocab = rust.config().vocab_size;
+    let tokens: Vec<u32> = SCORED.iter().map(|&t| t as u32).collect();
+    let n = PROMPT.len();
+    let c = |s: &str| CString::new(s).unwrap();
+    let (none, gate, skip, argmax) = (c(""), c("gate:0.5"), c("skip"), c("argmax:1"));
+    for (p, rule, policy) in [
+        (
+            exit_params(0.5, &none, &none),
+            "gate:0.5",
+            ExitPolicy::Reference,
+        ),
+        (
+            exit_params(-1.0, &gate, &skip),
+            "gate:0.5",
+            ExitPolicy::Skip,
+        ),
+        (
+            exit_params(-1.0, &argmax, &none),
+            "argmax:1",
+            ExitPolicy::Reference,
+        ),
+        (
+            exit_params(-1.0, &argmax, &skip),
+            "argmax:1",
+            ExitPolicy::Skip,
+        ),
+    ] {
+        let exit = Exit {
+            rule: rule.parse().unwrap(),
+            policy,
+        };
+        let (logits, steps) = rs.score_exit(&tokens, n, Some(4), exit).unwrap();
+        let steps: Vec<i32> = steps.iter().map(|&e| e as i32).collect();
+        println!("{rule} {policy}: exit iterations {steps:?}");
+        assert!(steps.iter().any(|&e| e < 4), "{rule} {policy}: {steps:?}");
+        for on in [On::Model(&model), On::Session(&session)] {
+            let got = score_exit(on, &SCORED, n, Some(&p), SCORED.len() * vocab, true);
+            assert_eq!(got.status, tl_status::TL_OK, "{}", last_error());
+            assert_eq!(got.len, SCORED.len() * vocab);
+            assert_eq!(
+                (&got.logits, &got.steps),
+                (&logits, &steps),
+                "{rule} {policy}"
+            );
+            let without = score_exit(on, &SCORED, n, Some(&p), SCORED.len() * vocab, false);
+            assert_eq!(
+                (without.status, &without.logits),
+                (tl_status::TL_OK, &logits)
+            );
+        }
+    }
+}
+
+/// Each bad input of `tl_score_exit` is refused with a message naming it, writing nothing.
+#[test]
+fn score_exit_refuses_bad_inputs_naming_them() {
+    let gated = open(&model_file("tiny-sandwich"), 128);
+    let plain = open(&model_file("tiny"), 128);
+    let c = |s: &str| CString::new(s).unwrap();
+    let (none, bad_rule) = (c(""), c("kl:x"));
+    let gate = exit_params(0.5, &none, &none);
+    let full = SCORED.len() * 256;
+    let mut cached = gate;
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid tokens and out-pointer.
+    let status = unsafe { tl_prefix_cache_new(gated.0, PROMPT.as_ptr(), 2, 4, &mut cache) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    cached.prefix_cache = cache;
+    let no_rule = gen_params(1);
+    for (model, prompt_len, p, cap, expect, says) in [
+        (
+            &gated,
+            0,
+            Some(&gate),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "prompt_len 0",
+        ),
+        (
+            &gated,
+            13,
+            Some(&gate),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "prompt_len 13",
+        ),
+        (
+            &gated,
+            6,
+            None,
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "no exit rule",
+        ),
+        (
+            &gated,
+            6,
+            Some(&no_rule),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "no exit rule",
+        ),
+        (
+            &plain,
+            6,
+            Some(&gate),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "no exit gate",
+        ),
+        (
+            &gated,
+            6,
+            Some(&exit_params(-1.0, &bad_rule, &none)),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "exit rule",
+        ),
+        (
+            &gated,
+            6,
+            Some(&cached),
+            full,
+            tl_status::TL_ERR_INVALID_ARGUMENT,
+            "prefix cache",
+        ),
+        (
+            &gated,
+            6,
+            Some(&gate),
+            full - 1,
+            tl_status::TL_ERR_BUFFER_TOO_SMALL,
+            "needs 3072",
+        ),
+        (
+            &gated,
+            6,
+            Some(&gate),
+            0,
+            tl_status::TL_ERR_BUFFER_TOO_SMALL,
+            "needs 3072",
+        ),
+    ] {
+        let got = score_exit(On::Model(model), &SCORED, prompt_len, p, cap, true);
+        assert_eq!(got.status, expect, "{says}: {}", last_error());
+        assert!(last_error().contains(says), "{says}: {}", last_error());
+        assert!(
+            last_error().starts_with("tl_score_exit"),
+            "{}",
+            last_error()
+        );
+        let required = if expect == tl_status::TL_ERR_BUFFER_TOO_SMALL {
+            full
+        } else {
+            7
+        };
+        assert_eq!(got.len, required, "{says}: *len");
+        assert!(got.logits.iter().all(|v| v.is_nan()), "{says}: out written");
+        assert!(
+            got.steps.iter().all(|&e| e == -1),
+            "{says}: exit_steps written"
+        );
+    }
+    tl_prefix_cache_free(cache);
+    // A NULL len, and NULL tokens, on the session form too.
+    let session = new_session(&gated);
+    let (mut out, mut steps) = (vec![0f32; full], vec![0i32; SCORED.len()]);
+    // SAFETY: the buffers are valid; the NULL pointers are what is refused.
+    let status = unsafe {
+        tl_session_score_exit(
+            session.0,
+            SCORED.as_ptr(),
+            SCORED.len(),
+            6,
+            &gate,
+            out.as_mut_ptr(),
+            full,
+            ptr::null_mut(),
+            steps.as_mut_ptr(),
+        )
+    };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("len is NULL"), "{}", last_error());
+    let empty = score_exit(On::Session(&session), &[], 1, Some(&gate), full, true);
+    assert_eq!(empty.status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().starts_with("tl_session_score_exit"),
+        "{}",
+        last_error()
+    );
+    assert!(last_error().contains("n_tokens is 0"), "{}", last_error());
 }
 
 /// `tl_generate_params` of the header's first version (without `prefix_cache`) is still

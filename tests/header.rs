@@ -40,6 +40,8 @@ fn header_declares_the_abi_surface() {
         "tl_generate(",
         "tl_generate_stream(",
         "tl_score_last(",
+        "tl_score_exit(",
+        "tl_session_score_exit(",
         "tl_logprobs_decode(",
         "tl_session_logprobs_decode(",
         "tl_vram_usage_mb(",

@@ -279,7 +279,7 @@ struct GenerateOptions {
     /// fire; empty: no exit rule. exit_policy "reference" (also empty: the model's own code's
     /// semantics) or "skip" (generated tokens stop at their exit iteration and copy its KV into
     /// the slots they skip).
-    /// generate, generate_stream, generate_text and generate_text_stream only;
+    /// generate, generate_stream, generate_text, generate_text_stream and score_exit only;
     /// last_generate_stats() then has exit_tokens and exit_mean_steps.
     std::optional<double> exit_threshold;
     std::string exit;
@@ -386,6 +386,13 @@ struct Config {
     uint32_t max_seq_len, prefill_chunk, max_loops;
 };
 
+/// What score_exit returns: logits [tokens.size() * vocab] (row-major), each position's from its
+/// exit iteration, and those iterations (1-based).
+struct ExitScores {
+    std::vector<float> logits;
+    std::vector<int32_t> exit_steps;
+};
+
 namespace detail {
 
 /// Stream state: the user's callable, and an exception it threw (rethrown after the C call,
@@ -471,6 +478,24 @@ public:
     /// Logits [tokens.size() * vocab], row-major.
     std::vector<float> score(Tokens tokens, int32_t loops = TL_LOOPS_DEFAULT) const {
         return score_call(Self::c_score, tokens, loops);
+    }
+
+    /// Score under the exit rule of opts (exit_threshold or exit, and exit_policy; a rule is
+    /// required) at opts.loops. tokens[0, prompt_len) run as a generation call's prompt and every
+    /// later token as a generated one (its own step at the rule's policy), so scoring a greedy
+    /// generation's prompt and tokens gives, from row prompt_len - 1 on, its tokens as the argmax
+    /// and its exit iterations. The other options are not read (prefix_cache must be null).
+    ExitScores score_exit(Tokens tokens, std::size_t prompt_len, const GenerateOptions& opts) const {
+        tl_generate_params p = opts.to_c();
+        std::size_t need = 0;
+        tl_status status = Self::c_score_exit(handle(), tokens.data(), tokens.size(), prompt_len,
+                                              &p, nullptr, 0, &need, nullptr);
+        if (status != TL_ERR_BUFFER_TOO_SMALL) check(status);
+        ExitScores out{std::vector<float>(need), std::vector<int32_t>(tokens.size())};
+        check(Self::c_score_exit(handle(), tokens.data(), tokens.size(), prompt_len, &p,
+                                 out.logits.data(), out.logits.size(), &need,
+                                 out.exit_steps.data()));
+        return out;
     }
 
     /// log p(tokens[i+1] | tokens[..=i]), tokens.size() - 1 values.
@@ -782,6 +807,7 @@ public:
     static constexpr auto c_stream = tl_generate_stream;
     static constexpr auto c_score_last = tl_score_last;
     static constexpr auto c_score = tl_score;
+    static constexpr auto c_score_exit = tl_score_exit;
     static constexpr auto c_logprobs = tl_logprobs;
     static constexpr auto c_logprobs_decode = tl_logprobs_decode;
     static constexpr auto c_cancel = tl_cancel;
@@ -823,6 +849,7 @@ public:
     static constexpr auto c_stream = tl_session_generate_stream;
     static constexpr auto c_score_last = tl_session_score_last;
     static constexpr auto c_score = tl_session_score;
+    static constexpr auto c_score_exit = tl_session_score_exit;
     static constexpr auto c_logprobs = tl_session_logprobs;
     static constexpr auto c_logprobs_decode = tl_session_logprobs_decode;
     static constexpr auto c_cancel = tl_session_cancel;

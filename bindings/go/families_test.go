@@ -206,6 +206,92 @@ func TestAnExitCriterionNeedsNoGate(t *testing.T) {
 	}
 }
 
+func argmax(row []float32) int32 {
+	best := 0
+	for i, v := range row {
+		if v > row[best] {
+			best = i
+		}
+	}
+	return int32(best)
+}
+
+// Scoring a greedy generation's prompt and tokens with its rule gives, from row len(prompt)-1
+// on, its tokens as the argmax and its exit iterations (their mean: the statistics keep no
+// more). On the CPU the two paths run the same block applications, so the comparisons are exact.
+func TestScoreExitOfAGenerationGivesItsTokensAndExits(t *testing.T) {
+	m := openSandwich(t)
+	s, err := m.NewSession()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for _, o := range []*GenerateOptions{
+		withExit(half(), "", ""), withExit(nil, "gate:0.7", "skip"), withExit(nil, "argmax:1", ""),
+	} {
+		o.Loops = 4
+		out, err := m.Generate(context.Background(), prompt, o)
+		if err != nil || len(out) != 12 {
+			t.Fatalf("Generate: %v %v", out, err)
+		}
+		stats, _ := m.LastGenerateStats()
+		tokens := append(append([]int32{}, prompt...), out[:len(out)-1]...)
+		n := len(prompt)
+		logits, steps, err := m.ScoreExit(tokens, n, o)
+		if err != nil || len(logits) != len(tokens)*256 || len(steps) != len(tokens) {
+			t.Fatalf("ScoreExit: %d logits, %v, %v", len(logits), steps, err)
+		}
+		sum, early := 0, false
+		for i := n - 1; i < len(tokens); i++ {
+			if got := argmax(logits[i*256 : (i+1)*256]); got != out[i-n+1] {
+				t.Fatalf("%+v: row %d argmax %d, generated %d", o, i, got, out[i-n+1])
+			}
+			if steps[i] < 1 || steps[i] > 4 {
+				t.Fatalf("%+v: exit iterations %v outside 1..4", o, steps)
+			}
+			sum += int(steps[i])
+			early = early || steps[i] < 4
+		}
+		// A sum of 12 small integers is exact in float64: the means are equal, not near.
+		if mean := float64(sum) / float64(len(out)); !early || mean != stats.ExitMeanSteps {
+			t.Fatalf("%+v: exit iterations %v (mean %v), generation's mean %v", o, steps, mean, stats.ExitMeanSteps)
+		}
+		sl, ss, err := s.ScoreExit(tokens, n, o)
+		if err != nil || !reflect.DeepEqual(sl, logits) || !reflect.DeepEqual(ss, steps) {
+			t.Fatalf("ScoreExit on the session differs: %v %v", ss, err)
+		}
+	}
+}
+
+func TestScoreExitBadArguments(t *testing.T) {
+	m := openSandwich(t)
+	gate := withExit(half(), "", "")
+	for _, bad := range []struct {
+		promptLen int
+		o         *GenerateOptions
+		needle    string
+	}{
+		{0, gate, "prompt_len 0 must be in 1..=6"},
+		{7, gate, "prompt_len 7 must be in 1..=6"},
+		{-1, gate, "promptLen -1"},
+		{6, nil, "no exit rule"},
+		{6, gen(4), "no exit rule"},
+		{6, withExit(nil, "kl:x", ""), "exit rule"},
+	} {
+		_, _, err := m.ScoreExit(prompt, bad.promptLen, bad.o)
+		wantStatus(t, err, StatusInvalidArgument, bad.needle)
+		if !strings.Contains(err.Error(), bad.needle) {
+			t.Fatalf("ScoreExit: %v does not say %q", err, bad.needle)
+		}
+	}
+	plain := open(t, 256)
+	_, _, err := plain.ScoreExit(prompt, 6, gate)
+	wantStatus(t, err, StatusInvalidArgument, "the gate on tiny")
+	if !strings.Contains(err.Error(), "no exit gate") {
+		t.Fatalf("%v does not say no exit gate", err)
+	}
+}
+
 func TestStateInitDrawsTheInitialState(t *testing.T) {
 	path := synth(t, "tiny-recurrent")
 	greedy := func(stateInit string) []int32 {

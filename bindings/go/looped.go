@@ -21,6 +21,13 @@ static enum tl_status tinyloop_trajectory(const tl_model *m, const tl_session *s
 	         : tl_session_score_trajectory(s, t, n, loops, out, cap, len);
 }
 
+static enum tl_status tinyloop_score_exit(const tl_model *m, const tl_session *s, const int32_t *t,
+                                         size_t n, size_t prompt_len, const tl_generate_params *p,
+                                         float *out, size_t cap, size_t *len, int32_t *steps) {
+	return m ? tl_score_exit(m, t, n, prompt_len, p, out, cap, len, steps)
+	         : tl_session_score_exit(s, t, n, prompt_len, p, out, cap, len, steps);
+}
+
 static enum tl_status tinyloop_speculative(const tl_model *m, const tl_session *s,
                                            const int32_t *t, size_t n,
                                            const tl_generate_params *p,
@@ -320,6 +327,49 @@ func (r *runner) ScoreTrajectory(tokens []int32, loops int) ([]TrajectoryPoint, 
 		}
 	}
 	return points, nil
+}
+
+// ScoreExit scores tokens under the exit rule of opts (ExitThreshold or Exit, and ExitPolicy;
+// a rule is required) at opts.Loops: logits [len(tokens) * vocab] (row-major), each position's
+// from its exit iteration, and those iterations (1-based). tokens[:promptLen] run as a
+// generation call's prompt and every later token as a generated one (its own step at the rule's
+// policy), so scoring a greedy generation's prompt and tokens gives, from row promptLen-1 on,
+// its tokens as the argmax and its exit iterations. The other options are not read, but
+// PrefixCache must be nil.
+func (r *runner) ScoreExit(tokens []int32, promptLen int, opts *GenerateOptions) ([]float32, []int32, error) {
+	const method = "ScoreExit"
+	if promptLen < 0 {
+		return nil, nil, invalid("%s: promptLen %d must be in 1..=len(tokens)", method, promptLen)
+	}
+	p, release, err := cParams(opts, method)
+	defer release()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := r.h.enter(method); err != nil {
+		return nil, nil, err
+	}
+	defer r.h.mu.RUnlock()
+	score := func(out *C.float, outCap C.size_t, n *C.size_t, steps *C.int32_t) C.enum_tl_status {
+		return C.tinyloop_score_exit(r.model, r.session, tokensPtr(tokens), C.size_t(len(tokens)),
+			C.size_t(promptLen), &p, out, outCap, n, steps)
+	}
+	need, err := r.required(method, func(n *C.size_t) C.enum_tl_status { return score(nil, 0, n, nil) })
+	if err != nil {
+		return nil, nil, err
+	}
+	// The size query refused no tokens, so need >= vocab and tokens is not empty.
+	out := make([]float32, need)
+	steps := make([]int32, len(tokens))
+	var n C.size_t
+	err = call(method, r.h.what, func() C.enum_tl_status {
+		return score((*C.float)(unsafe.Pointer(&out[0])), C.size_t(len(out)), &n,
+			(*C.int32_t)(unsafe.Pointer(&steps[0])))
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return out[:int(n)], steps, nil
 }
 
 // required asks a buffer call for its output length (a NULL buffer of capacity 0): invalid

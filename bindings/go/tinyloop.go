@@ -134,7 +134,8 @@ type GenerateOptions struct {
 	// or "argmax" (optionally ":N"), which stop each call at the first iteration where they
 	// fire. nil and "": no exit rule. ExitPolicy "reference" (also "": the model's own code's
 	// semantics) or "skip" (generated tokens stop at their exit iteration and copy its KV into
-	// the slots they skip). Generate, GenerateStream, GenerateText and GenerateTextStream only.
+	// the slots they skip). Generate, GenerateStream, GenerateText, GenerateTextStream and
+	// ScoreExit only.
 	ExitThreshold *float64
 	Exit          string
 	ExitPolicy    string

@@ -5,7 +5,9 @@
 use std::ffi::c_void;
 
 use super::bound::prefix_cache_arg;
-use super::params::{check_buffer, generate_params, loops_arg, prompt_arg, write_buffer};
+use super::params::{
+    check_buffer, generate_params, loops_arg, prompt_arg, score_exit_params, write_buffer,
+};
 use super::session::tl_token_callback;
 use super::target::Target;
 use super::{boundary, tl_generate_params, tl_model, tl_session, tl_status, Failure, FfiResult};
@@ -373,6 +375,135 @@ pub unsafe extern "C" fn tl_session_score(
             len,
         )
     }
+}
+
+/// `tl_score` under an exit rule (docs/ABI.md "Adaptive exit"), on the model's default session:
+/// logits `[n_tokens, vocab_size]` (row-major) into `out[0..*len]`, each position's from its exit
+/// iteration, and those iterations (1-based) into `exit_steps[0..n_tokens]` unless it is NULL.
+/// `tokens[0..prompt_len]` run as a generation call's prompt does and every later position as a
+/// generated token does (its own one-row step at the rule's policy), so the result is what
+/// generation computes had it produced `tokens[prompt_len..]`. The gate decides per position; a
+/// criterion per call, so the prompt's positions get the iteration of the step they ran in.
+/// `params` gives `loops` and the rule (`exit_threshold` or `exit`, and `exit_policy`), which is
+/// required; its sampling fields, `max_tokens`, stop tokens, `ctx_tier` and `beta_monitor`
+/// fields are not read (a score call chooses no token and runs without a tier). `cap` must
+/// be >= n_tokens * vocab_size, else `TL_ERR_BUFFER_TOO_SMALL` with that number in `*len`
+/// before any work. Not limited by prefill_chunk (the prompt runs in its chunks, as
+/// generation's).
+///
+/// Failures: `TL_ERR_INVALID_ARGUMENT` (NULL `model`, `tokens`, `params` or `len`; no tokens, a
+/// negative token or one >= vocab_size, more than max_seq_len; `prompt_len` 0 or above
+/// n_tokens; no exit rule, bad exit fields or loops, the gate on a model without an exit gate,
+/// `exit_policy` "skip" in KV mode delta or age, `prefix_cache` set), `TL_ERR_BUFFER_TOO_SMALL`,
+/// `TL_ERR_BUSY` (another call on this model is running), `TL_ERR_CANCELLED` (`tl_cancel`,
+/// `tl_close`), `TL_ERR_CLOSED`. `out`, `*len` and `exit_steps` are written only on success.
+///
+/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per model.
+///
+/// # Safety
+/// `tokens` valid for `n_tokens` reads; `params` NULL or from `tl_generate_default_params`;
+/// `out` valid for `cap` writes; `len` for one write; `exit_steps` NULL or valid for `n_tokens`
+/// writes.
+#[no_mangle]
+pub unsafe extern "C" fn tl_score_exit(
+    model: *const tl_model,
+    tokens: *const i32,
+    n_tokens: usize,
+    prompt_len: usize,
+    params: *const tl_generate_params,
+    out: *mut f32,
+    cap: usize,
+    len: *mut usize,
+    exit_steps: *mut i32,
+) -> tl_status {
+    let target = Target::Model(model);
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        score_exit(
+            target,
+            "tl_score_exit",
+            tokens,
+            n_tokens,
+            prompt_len,
+            params,
+            out,
+            cap,
+            len,
+            exit_steps,
+        )
+    }
+}
+
+/// `tl_score_exit` on a session: logits `[n_tokens, vocab_size]` under the exit rule of
+/// `params` into `out[0..*len]`, each position's exit iteration into `exit_steps` unless it is
+/// NULL. `TL_ERR_BUSY` when another call on this session is running.
+///
+/// Ownership: the caller owns all buffers. Threads: any thread; one call at a time per session.
+///
+/// # Safety
+/// Pointers other than `session` as `tl_score_exit`.
+#[no_mangle]
+pub unsafe extern "C" fn tl_session_score_exit(
+    session: *const tl_session,
+    tokens: *const i32,
+    n_tokens: usize,
+    prompt_len: usize,
+    params: *const tl_generate_params,
+    out: *mut f32,
+    cap: usize,
+    len: *mut usize,
+    exit_steps: *mut i32,
+) -> tl_status {
+    let target = Target::Session(session);
+    let func = "tl_session_score_exit";
+    // SAFETY: the caller's contract, forwarded.
+    unsafe {
+        score_exit(
+            target, func, tokens, n_tokens, prompt_len, params, out, cap, len, exit_steps,
+        )
+    }
+}
+
+/// # Safety
+/// Pointer arguments as documented on `tl_score_exit`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_exit(
+    target: Target,
+    func: &'static str,
+    tokens: *const i32,
+    n_tokens: usize,
+    prompt_len: usize,
+    params: *const tl_generate_params,
+    out: *mut f32,
+    cap: usize,
+    len: *mut usize,
+    exit_steps: *mut i32,
+) -> tl_status {
+    boundary(func, || {
+        target.run(func, |s| {
+            // SAFETY: the caller's contract, forwarded.
+            let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
+            // SAFETY: as above.
+            let (loops, exit) = unsafe { score_exit_params(params) }?;
+            let required = Rows::All.required(s, tokens.len())?;
+            let mut steps = Vec::new();
+            // SAFETY: as above.
+            unsafe {
+                fill(out, cap, len, required, || {
+                    let (logits, exits) = s.score_exit(&tokens, prompt_len, loops, exit)?;
+                    steps = exits;
+                    Ok(logits)
+                })
+            }?;
+            if !exit_steps.is_null() {
+                // One per token, each at most loops: the call's int32_t or default_loops <= 1024.
+                let steps: Vec<i32> = steps.into_iter().map(|e| e as i32).collect();
+                // SAFETY: valid for n_tokens = steps.len() writes by the caller's contract.
+                unsafe { std::ptr::copy_nonoverlapping(steps.as_ptr(), exit_steps, steps.len()) };
+            }
+            Ok(())
+        })
+    })
 }
 
 /// `log p(tokens[i+1] | tokens[0..=i])` for i < n_tokens - 1 on the model's default session,

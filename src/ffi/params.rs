@@ -85,7 +85,8 @@ pub struct tl_generate_params {
     /// Generate after the prefix held by this cache (from `tl_prefix_cache_new` on the same
     /// model, built at the same loops): the same tokens as generating from the prefix followed
     /// by the prompt. NULL (default): no prefix. Read by `tl_generate`, `tl_generate_stream`
-    /// and their session forms; the other generation functions reject a non-NULL value.
+    /// and their session forms; the other generation functions and `tl_score_exit` reject a
+    /// non-NULL value.
     pub prefix_cache: *const tl_prefix_cache,
     /// CTX-TIER policy of the call (`tl_ctx_tier_params`, only read during the call). NULL
     /// (default): the `TINYLOOP_CTX_TIER*` environment's policy when the model was opened, or
@@ -106,8 +107,8 @@ pub struct tl_generate_params {
     pub beta_mon_agreement_floor: f64,
     /// Adaptive exit with the model's exit gate at this cumulative exit probability, in [0, 1]
     /// (docs/ABI.md "Adaptive exit"); shorthand for `exit` "gate:T". Negative (default -1): no
-    /// threshold. Read by `tl_generate`, `tl_generate_stream`, their session forms and the
-    /// score calls with an exit.
+    /// threshold. Read by `tl_generate`, `tl_generate_stream`, `tl_score_exit` and their
+    /// session forms.
     pub exit_threshold: f64,
     /// Adaptive exit rule: "gate" (the model's own threshold) or "gate:T", or one of Huginn's
     /// criteria "entropy-diff", "latent-diff", "cosine", "kl", "minp-kl" (each with an optional
@@ -473,26 +474,8 @@ pub(crate) unsafe fn model_options(params: *const tl_model_params) -> FfiResult<
 pub(crate) unsafe fn generate_params(
     params: *const tl_generate_params,
 ) -> FfiResult<(GenerateParams, *const tl_prefix_cache)> {
-    let p = if params.is_null() {
-        default_generate_params()
-    } else {
-        // SAFETY: non-NULL; the caller's contract covers its struct_size bytes. Version 1 of the
-        // header ended before `prefix_cache`, version 2 before `ctx_tier`, version 3 before
-        // `exit_threshold`.
-        let sizes = [
-            std::mem::offset_of!(tl_generate_params, prefix_cache),
-            std::mem::offset_of!(tl_generate_params, ctx_tier),
-            std::mem::offset_of!(tl_generate_params, exit_threshold),
-        ];
-        unsafe {
-            read_versioned(
-                params,
-                default_generate_params(),
-                &sizes,
-                "tl_generate_params",
-            )
-        }?
-    };
+    // SAFETY: the caller's contract, forwarded.
+    let p = unsafe { read_generate_params(params) }?;
     // SAFETY: the caller's contract covers stop_tokens / n_stop_tokens.
     let stop_tokens = unsafe {
         tokens_arg(
@@ -527,6 +510,60 @@ pub(crate) unsafe fn generate_params(
         exit: unsafe { exit_arg(p.exit_threshold, p.exit, p.exit_policy) }?,
     };
     Ok((params, p.prefix_cache))
+}
+
+/// A caller's `tl_generate_params` (NULL = defaults), of this header's version or an earlier one.
+///
+/// # Safety
+/// `params` must be NULL or point to a `tl_generate_params` of at least its `struct_size` bytes.
+unsafe fn read_generate_params(params: *const tl_generate_params) -> FfiResult<tl_generate_params> {
+    if params.is_null() {
+        return Ok(default_generate_params());
+    }
+    // Version 1 of the header ended before `prefix_cache`, version 2 before `ctx_tier`, version
+    // 3 before `exit_threshold`.
+    let sizes = [
+        std::mem::offset_of!(tl_generate_params, prefix_cache),
+        std::mem::offset_of!(tl_generate_params, ctx_tier),
+        std::mem::offset_of!(tl_generate_params, exit_threshold),
+    ];
+    // SAFETY: non-NULL; the caller's contract covers its struct_size bytes.
+    unsafe {
+        read_versioned(
+            params,
+            default_generate_params(),
+            &sizes,
+            "tl_generate_params",
+        )
+    }
+}
+
+/// The loops and the exit rule of a score call with an exit (`tl_score_exit`), which requires
+/// a rule and takes no prefix cache; the other fields are not read.
+///
+/// # Safety
+/// `params` must be NULL or point to a `tl_generate_params` of at least its `struct_size`
+/// bytes, whose `exit` and `exit_policy` are NULL or NUL-terminated strings.
+pub(crate) unsafe fn score_exit_params(
+    params: *const tl_generate_params,
+) -> FfiResult<(Option<usize>, Exit)> {
+    if params.is_null() {
+        return Err(Failure::invalid(
+            "params is NULL, so there is no exit rule: set exit_threshold or exit",
+        ));
+    }
+    // SAFETY: the caller's contract, forwarded.
+    let p = unsafe { read_generate_params(params) }?;
+    if !p.prefix_cache.is_null() {
+        return Err(Failure::invalid(
+            "tl_generate_params.prefix_cache is set: score calls take no prefix cache",
+        ));
+    }
+    // SAFETY: the caller's contract covers the two strings.
+    let exit = unsafe { exit_arg(p.exit_threshold, p.exit, p.exit_policy) }?.ok_or_else(|| {
+        Failure::invalid("tl_generate_params has no exit rule: set exit_threshold or exit")
+    })?;
+    Ok((loops_arg(p.loops)?, exit))
 }
 
 /// The exit rule of `tl_generate_params`: a threshold or a rule string (not both), and a policy.

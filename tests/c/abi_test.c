@@ -1281,6 +1281,57 @@ static void test_ctx_tier(tl_model *m, tl_session *s) {
     CHECK(after < at_long, "  ... the INT2 re-pack is freed once no session is at LONG");
 }
 
+/* Scoring with an exit rule: the model has no exit gate, so a criterion. Scoring a greedy
+ * generation's own tokens after its prompt gives, row by row, the tokens and exit iterations
+ * the generation had. */
+static void test_score_exit(tl_model *m, tl_session *s) {
+    enum { N_GEN = 8, N = N_PROMPT + N_GEN - 1 };
+    tl_generate_params gp = gen_params(N_GEN);
+    gp.loops = 4;
+    gp.exit = "argmax:1";
+    int32_t tokens[N], gen[N_GEN];
+    size_t lg = 0, len = 0;
+    EXPECT(tl_generate(m, PROMPT, N_PROMPT, &gp, gen, N_GEN, &lg), TL_OK, "tl_generate with exit argmax:1");
+    tl_generate_stats st;
+    st.struct_size = sizeof st;
+    EXPECT(tl_last_generate_stats(m, &st), TL_OK, "  ... its statistics");
+    memcpy(tokens, PROMPT, sizeof PROMPT);
+    memcpy(tokens + N_PROMPT, gen, (N_GEN - 1) * sizeof *gen);
+
+    static float rows[N * 256], again[N * 256];
+    int32_t steps[N], none[N];
+    for (size_t i = 0; i < N; i++) none[i] = -1;
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &gp, NULL, 0, &len, NULL), TL_ERR_BUFFER_TOO_SMALL, "tl_score_exit size query");
+    CHECK(len == N * 256, "  ... *len = n_tokens * vocab_size");
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &gp, rows, N * 256 - 1, &len, none), TL_ERR_BUFFER_TOO_SMALL, "tl_score_exit cap < n_tokens * vocab_size");
+    CHECK(none[0] == -1, "  ... exit_steps untouched");
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &gp, rows, N * 256, &len, steps), TL_OK, "tl_score_exit of the generation's tokens");
+    int same = len == N * 256 && lg == N_GEN && st.exit_tokens == N_GEN;
+    double sum = 0;
+    for (size_t i = N_PROMPT - 1; i < N; i++) {
+        same = same && argmax_of(rows + i * 256, 256) == gen[i - (N_PROMPT - 1)] && steps[i] >= 1 && steps[i] <= 4;
+        sum += steps[i];
+    }
+    /* Sums of small integers are exact in double, so the means are equal, not near. */
+    CHECK(same && sum / N_GEN == st.exit_mean_steps, "  ... argmax == the generated tokens, mean exit iteration == exit_mean_steps");
+    CHECK(sum < 4 * N_GEN, "  ... some tokens exit before the last iteration");
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &gp, again, N * 256, &len, NULL), TL_OK, "tl_score_exit exit_steps NULL");
+    CHECK(memcmp(rows, again, sizeof rows) == 0, "  ... the same logits");
+    EXPECT(tl_session_score_exit(s, tokens, N, N_PROMPT, &gp, again, N * 256, &len, none), TL_OK, "tl_session_score_exit");
+    CHECK(memcmp(rows, again, sizeof rows) == 0 && memcmp(steps, none, sizeof steps) == 0, "  ... the model form's logits and exit iterations");
+
+    EXPECT(tl_score_exit(m, tokens, N, 0, &gp, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_score_exit prompt_len 0");
+    CHECK(strstr(tl_last_error_message(), "prompt_len") != NULL, "  ... the message names prompt_len");
+    EXPECT(tl_score_exit(m, tokens, N, N + 1, &gp, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_score_exit prompt_len > n_tokens");
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, NULL, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_score_exit params NULL (no exit rule)");
+    tl_generate_params plain = gen_params(1);
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &plain, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_score_exit without an exit rule");
+    CHECK(strstr(tl_last_error_message(), "no exit rule") != NULL, "  ... the message says so");
+    plain.exit_threshold = 0.5;
+    EXPECT(tl_score_exit(m, tokens, N, N_PROMPT, &plain, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_score_exit gate on a model without an exit gate");
+    EXPECT(tl_session_score_exit(s, NULL, N, N_PROMPT, &gp, rows, N * 256, &len, steps), TL_ERR_INVALID_ARGUMENT, "tl_session_score_exit tokens NULL");
+}
+
 static void test_looped(void) {
     tl_model *m = open_model(256);
     tl_session *s = NULL;
@@ -1291,6 +1342,7 @@ static void test_looped(void) {
     test_resume(m, s);
     test_earlier_generate_params(m);
     test_ctx_tier(m, s);
+    test_score_exit(m, s);
     tl_session_free(s);
     tl_model_free(m);
     test_bound_handles_after_close();

@@ -143,6 +143,70 @@ TEST(Families, AnExitRuleNeedsAnExitGate) {
     }
 }
 
+int32_t argmax(const float* row, std::size_t n) {
+    std::size_t best = 0;
+    for (std::size_t i = 1; i < n; i++)
+        if (row[i] > row[best]) best = i;
+    return static_cast<int32_t>(best);
+}
+
+// Scoring a greedy generation's prompt and tokens with its rule gives, from row kPrompt.size() - 1
+// on, its tokens as the argmax and its exit iterations (their mean: the statistics keep no more).
+// On the CPU the two paths run the same block applications, so the comparisons are exact.
+TEST(Families, ScoreExitOfAGenerationGivesItsTokensAndExits) {
+    auto model = open_model(TINYLOOP_TEST_SANDWICH_MODEL_PATH);
+    auto session = model.new_session();
+    for (auto opts : {with_exit(0.5), with_exit(std::nullopt, "gate:0.7", "skip"),
+                      with_exit(std::nullopt, "argmax:1")}) {
+        opts.loops = 4;
+        const auto out = model.generate(kPrompt, opts);
+        ASSERT_EQ(out.size(), 12u);
+        const double generated_mean = model.last_generate_stats().exit_mean_steps;
+        std::vector<int32_t> tokens = kPrompt;
+        tokens.insert(tokens.end(), out.begin(), out.end() - 1);
+        const std::size_t n = kPrompt.size();
+        const auto scored = model.score_exit(tokens, n, opts);
+        ASSERT_EQ(scored.logits.size(), tokens.size() * 256);
+        ASSERT_EQ(scored.exit_steps.size(), tokens.size());
+        int sum = 0;
+        bool early = false;
+        for (std::size_t i = n - 1; i < tokens.size(); i++) {
+            EXPECT_EQ(argmax(scored.logits.data() + i * 256, 256), out[i - (n - 1)]) << "row " << i;
+            EXPECT_GE(scored.exit_steps[i], 1);
+            EXPECT_LE(scored.exit_steps[i], 4);
+            sum += scored.exit_steps[i];
+            early = early || scored.exit_steps[i] < 4;
+        }
+        EXPECT_TRUE(early) << opts.exit;
+        // A sum of 12 small integers is exact in double: the means are equal, not near.
+        EXPECT_EQ(sum / 12.0, generated_mean) << opts.exit;
+        const auto again = session.score_exit(tokens, n, opts);
+        EXPECT_EQ(again.logits, scored.logits);
+        EXPECT_EQ(again.exit_steps, scored.exit_steps);
+    }
+}
+
+TEST(Families, BadScoreExitArgumentsNameThem) {
+    auto model = open_model(TINYLOOP_TEST_SANDWICH_MODEL_PATH);
+    const auto gate = with_exit(0.5);
+    const struct {
+        std::size_t prompt_len;
+        tinyloop::GenerateOptions opts;
+        const char* needle;
+    } cases[] = {
+        {0, gate, "prompt_len 0 must be in 1..=6"},
+        {7, gate, "prompt_len 7 must be in 1..=6"},
+        {6, tinyloop::GenerateOptions(), "no exit rule"},
+        {6, with_exit(std::nullopt, "kl:x"), "exit rule"},
+    };
+    for (const auto& c : cases) {
+        EXPECT_NE(invalid_message([&] { model.score_exit(kPrompt, c.prompt_len, c.opts); })
+                      .find(c.needle),
+                  std::string::npos)
+            << c.needle;
+    }
+}
+
 std::vector<int32_t> greedy(const std::string& state_init) {
     auto model = open_model(TINYLOOP_TEST_RECURRENT_MODEL_PATH, state_init);
     tinyloop::GenerateOptions opts;

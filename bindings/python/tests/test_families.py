@@ -1,7 +1,9 @@
 """The options of the public looped families from Python (docs/MODELS.md): Ouro's adaptive exit
-(``exit_threshold``, ``exit``, ``exit_policy`` and the exit statistics) on the `tiny-sandwich`
-preset, and Huginn's initial state (``state_init``) on `tiny-recurrent`. The Rust tests
-(tests/hf.rs, src/generate/exit.rs) check the numerics; here the binding's plumbing."""
+(``exit_threshold``, ``exit``, ``exit_policy``, the exit statistics, and scoring with an exit
+rule) on the `tiny-sandwich` preset, and Huginn's initial state (``state_init``) on
+`tiny-recurrent`. The Rust tests (tests/hf.rs, src/generate/exit.rs) check the numerics; here the
+binding's plumbing, and scores checked against generation and plain scoring: exactly on the CPU,
+where the two paths run the same block applications in the same order."""
 
 import os
 
@@ -111,6 +113,91 @@ def test_exit_option_types(sandwich):
         sandwich.generate(PROMPT, exit=1)
     with pytest.raises(TypeError, match="exit_policy"):
         sandwich.generate(PROMPT, exit="gate:0.5", exit_policy=b"skip")
+
+
+RULES = [
+    {"exit_threshold": 0.5},
+    {"exit": "gate:0.7", "exit_policy": "skip"},
+    {"exit": "argmax:1"},
+    {"exit": "argmax:1", "exit_policy": "skip"},
+]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_scoring_a_generation_with_its_rule_gives_its_tokens_and_exits(sandwich, rule):
+    out = sandwich.generate(PROMPT, max_tokens=12, loops=4, **rule)
+    stats = sandwich.last_generate_stats()
+    tokens = PROMPT + out[:-1].tolist()
+    n = len(PROMPT)
+    logits, steps = sandwich.score_exit(tokens, loops=4, prompt_len=n, **rule)
+    assert logits.shape == (len(tokens), 256) and steps.shape == (len(tokens),)
+    assert steps.dtype == np.int32 and ((1 <= steps) & (steps <= 4)).all(), steps
+    assert (steps[n - 1 :] < 4).any(), steps
+    # Row n - 1 on holds what generation chose each token from.
+    np.testing.assert_array_equal(logits[n - 1 :].argmax(axis=1), out)
+    assert stats["exit_tokens"] == len(out)
+    # Sums of at most 12 small integers are exact in float64: the means are equal, not near.
+    assert steps[n - 1 :].mean() == stats["exit_mean_steps"]
+    np.testing.assert_array_equal(
+        sandwich.score(tokens, loops=4, prompt_len=n, **rule), logits
+    )
+    with sandwich.new_session() as s:
+        session_logits, session_steps = s.score_exit(tokens, n_loops=4, prompt_len=n, **rule)
+        np.testing.assert_array_equal(session_logits, logits)
+        np.testing.assert_array_equal(session_steps, steps)
+
+
+@pytest.mark.parametrize("rule", [{"exit": "gate:0.5"}, {"exit": "kl:0.5"}])
+def test_a_prompt_s_exit_rows_are_plain_scores_at_their_exit_iteration(sandwich, rule):
+    # prompt_len None: every token in the prompt, where every position runs every iteration
+    # (the gate, reference policy) or every position shares its call's exit (a criterion): the
+    # logits of a position that exits at e are those of a plain score at e loops. The same
+    # block applications on the same rows, so the same bits.
+    tokens = PROMPT + [32, 87, 104, 101, 114, 101]
+    logits, steps = sandwich.score_exit(tokens, loops=4, **rule)
+    np.testing.assert_array_equal(
+        sandwich.score_exit(tokens, loops=4, prompt_len=len(tokens), **rule)[1], steps
+    )
+    assert (steps < 4).any(), steps
+    for e in np.unique(steps):
+        rows = steps == e
+        np.testing.assert_array_equal(logits[rows], sandwich.score(tokens, loops=int(e))[rows])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"exit_threshold": 0.5, "prompt_len": 0}, "prompt_len 0 must be in 1..=6"),
+        ({"exit_threshold": 0.5, "prompt_len": 7}, "prompt_len 7 must be in 1..=6"),
+        ({"exit_threshold": 0.5, "prompt_len": -1}, "prompt_len"),
+        ({}, "no exit rule"),
+        ({"prompt_len": 3}, "no exit rule"),
+        ({"exit_policy": "skip"}, "exit_policy is set without an exit rule"),
+        ({"exit": "kl:x"}, "exit rule"),
+        ({"exit_threshold": 1.5}, "exit_threshold"),
+        ({"exit_threshold": 0.5, "loops": 0}, "loops"),
+    ],
+)
+def test_bad_score_exit_arguments_are_value_errors(sandwich, kwargs, match):
+    with pytest.raises(tinyloop_py.InvalidArgumentError, match=match):
+        sandwich.score_exit(PROMPT, **kwargs)
+    if kwargs:
+        with pytest.raises(ValueError, match=match):
+            sandwich.score(PROMPT, **kwargs)
+
+
+def test_score_exit_argument_types_and_models_without_a_gate(sandwich, model_path):
+    with pytest.raises(TypeError, match="prompt_len"):
+        sandwich.score_exit(PROMPT, exit_threshold=0.5, prompt_len="3")
+    with pytest.raises(TypeError, match="exit_threshold"):
+        sandwich.score(PROMPT, exit_threshold="0.5")
+    with _open(model_path) as m:
+        with pytest.raises(tinyloop_py.InvalidArgumentError, match="no exit gate"):
+            m.score_exit(PROMPT, exit_threshold=0.5)
+        logits, steps = m.score_exit(PROMPT, exit="argmax:1")
+        assert logits.shape == (len(PROMPT), 256) and len(steps) == len(PROMPT)
+        # Without exit arguments, score is the plain call.
+        np.testing.assert_array_equal(m.score(PROMPT, loops=4), m.score(PROMPT, 4))
 
 
 def _greedy(path, state_init):

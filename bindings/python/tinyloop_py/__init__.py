@@ -26,7 +26,7 @@ import os
 import queue
 import random
 import threading
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -697,8 +697,24 @@ class _Runner:
         return out
 
     @_loops_also_as("n_loops")
-    def score(self, tokens: Tokens, loops: Optional[int] = None) -> np.ndarray:
-        """Logits ``[len(tokens), vocab_size]`` (np.float32) for every position."""
+    def score(
+        self,
+        tokens: Tokens,
+        loops: Optional[int] = None,
+        *,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
+        prompt_len: Optional[int] = None,
+    ) -> np.ndarray:
+        """Logits ``[len(tokens), vocab_size]`` (np.float32) for every position. With an exit
+        rule (``exit_threshold``, ``exit``, ``exit_policy`` as in :meth:`generate`), each
+        position's logits are those of its exit iteration: :meth:`score_exit`'s logits."""
+        if (exit_threshold, exit, exit_policy, prompt_len) != (None, None, None, None):
+            return self.score_exit(
+                tokens, loops, exit_threshold=exit_threshold, exit=exit,
+                exit_policy=exit_policy, prompt_len=prompt_len,
+            )[0]
         arr = _tokens(tokens)
         vocab = self._vocab("score")
         out = np.empty((max(arr.size, 1), vocab), dtype=np.float32)
@@ -708,6 +724,39 @@ class _Runner:
             _ptr(out, _F32P), out.size, ctypes.byref(n),
         )
         return out[: arr.size]
+
+    @_loops_also_as("n_loops")
+    def score_exit(
+        self,
+        tokens: Tokens,
+        loops: Optional[int] = None,
+        *,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
+        prompt_len: Optional[int] = None,
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Score under an exit rule (``exit_threshold`` or ``exit``, and ``exit_policy``, as in
+        :meth:`generate`; a rule is required): logits ``[len(tokens), vocab_size]``
+        (np.float32), each position's from its exit iteration, and those iterations
+        (np.int32, 1-based). ``tokens[:prompt_len]`` run as a generation call's prompt and every
+        later token as a generated one (its own step at the rule's policy), so scoring a greedy
+        generation's prompt and tokens gives, from row ``prompt_len - 1`` on, its tokens as the
+        argmax and its exit iterations. ``prompt_len`` None: ``len(tokens)``, all a prompt."""
+        arr = _tokens(tokens)
+        p = _c.GenerateParams()
+        _check(_dll.tl_generate_default_params(ctypes.byref(p)), "score_exit")
+        p.loops = _loops(loops)
+        _set_exit(p, exit_threshold, exit, exit_policy)
+        n_prompt = arr.size if prompt_len is None else _int(prompt_len, "prompt_len", 0, 2**64 - 1)
+        out = np.empty((max(arr.size, 1), self._vocab("score_exit")), dtype=np.float32)
+        steps = np.empty(max(arr.size, 1), dtype=np.int32)
+        n = ctypes.c_size_t(0)
+        self._looped(
+            "score_exit", _ptr(arr), arr.size, n_prompt, ctypes.byref(p), _ptr(out, _F32P),
+            out.size, ctypes.byref(n), _ptr(steps),
+        )
+        return out[: arr.size], steps[: arr.size]
 
     @_loops_also_as("n_loops")
     def logprobs(

@@ -278,6 +278,7 @@ for _name, (_restype, _args) in _TEXT.items():
 _LOOPED = {
     "score_logit_lens": (_status, [_i32p, _size, ctypes.c_int32, _f32p, _size, _sizep]),
     "score_trajectory": (_status, [_i32p, _size, ctypes.c_int32, _pointp, _size, _sizep]),
+    "score_exit": (_status, [_i32p, _size, _size, _genp, _f32p, _size, _sizep, _i32p]),
     "generate_speculative": (_status, [_i32p, _size, _genp, _specp, _i32p, _size, _sizep]),
     "prefix_cache_new": (_status, [_i32p, _size, ctypes.c_int32, ctypes.POINTER(_p)]),
     "resume_handle_new": (_status, [_i32p, _size, ctypes.c_int32, ctypes.POINTER(_p)]),
