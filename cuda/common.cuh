@@ -49,14 +49,6 @@ DEV void allow_successor() {
 #endif
 }
 
-// Ask L1 for the 128-byte lines of `bytes` bytes at `p`, spread over the block's threads: for
-// immutable weights that a kernel reads after `wait_for_predecessor`, fetched before it.
-DEV void prefetch_l1(const void* p, int bytes) {
-    const char* c = (const char*)p;
-    for (int off = threadIdx.x * 128; off < bytes; off += blockDim.x * 128)
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(c + off));
-}
-
 // The usual start of a kernel: nothing to prefetch before the predecessor finishes.
 DEV void kernel_start() {
     wait_for_predecessor();

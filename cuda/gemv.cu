@@ -264,18 +264,8 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
         }
     };
     // 1. The first batch of weights is requested before x is staged (and, with programmatic
-    //    launch, before the kernel that writes x has finished), so the latencies overlap; so are
-    //    the norm weights, which the row's passes below would otherwise wait for one by one.
+    //    launch, before the kernel that writes x has finished), so the latencies overlap.
     load_batch(lane);
-    if (NORM) {
-        const int bytes = K * (int)sizeof(f16_t);
-        prefetch_l1(input.nw, bytes);
-        if (input.nb) prefetch_l1(input.nb, bytes);
-        if (input.res_mode != RES_NONE) {
-            prefetch_l1(input.ow, bytes);
-            if (input.ob) prefetch_l1(input.ob, bytes);
-        }
-    }
     kernel_start();
 
     // 2. Stage x as f32 (rows >= `rows` are zero), 8 values per thread and step; for quantized
