@@ -2,13 +2,14 @@
 "Adaptive exit").
 
     python3 bench/exit_distance.py MODEL TEXT --exit RULE [--loops L] [--prompt-len P]
-        [--tokens N] [--start C] [--device cpu] [--repeats R] [--json]
+        [--tokens N] [--start C] [--device cpu] [--repeats R] [--byte-ids] [--json]
 
-Scores the first N tokens of TEXT (from character C on, tokenized by the model's tokenizer)
-twice with the same exit rule and prompt length, under ``exit_policy="reference"`` and
-``"skip"`` (``Model.score_exit``: the first P tokens run as a generation's prompt, each later one
-as a generated token, its own step at the policy). Both policies compute the prompt alike, so
-the figures are over the rows run as generated tokens (P to N - 1):
+Scores the first N tokens of TEXT (from character C on, tokenized by the model's tokenizer, or
+its UTF-8 bytes as ids with --byte-ids) twice with the same exit rule and prompt length, under
+``exit_policy="reference"`` and ``"skip"`` (``Model.score_exit``: the first P tokens run as a
+generation's prompt, each later one as a generated token, its own step at the policy). Both
+policies compute the prompt alike, so the figures are over the rows run as generated tokens
+(P to N - 1):
 
 * mean exit iteration under each policy;
 * argmax agreement: the share of those rows whose most likely next token is the same;
@@ -59,14 +60,19 @@ def main():
     ap.add_argument("--start", type=int, default=0, help="first character of TEXT used")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--byte-ids", action="store_true", help="the text's UTF-8 bytes as token ids "
+                    "(a model without a tokenizer, such as a synthetic checkpoint of a public shape)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
 
     with open(args.text, encoding="utf-8") as f:
         text = f.read()[args.start :]
     model = tl.Model(args.model, max_seq_len=args.tokens, device=args.device, log=False)
-    # Tokens other than special ones span at least one character: 4N characters hold N tokens.
-    tokens = model.tokenize(text[: args.tokens * 4])[: args.tokens]
+    if args.byte_ids:
+        tokens = np.frombuffer(text.encode("utf-8")[: args.tokens], dtype=np.uint8).astype(np.int32)
+    else:
+        # Tokens other than special ones span at least one character: 4N characters hold N tokens.
+        tokens = model.tokenize(text[: args.tokens * 4])[: args.tokens]
     if len(tokens) < args.tokens:
         ap.error(f"{args.text} holds {len(tokens)} tokens from character {args.start} on")
     p = args.prompt_len

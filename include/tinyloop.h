@@ -185,7 +185,8 @@ typedef struct tl_generate_params {
     // Adaptive exit with the model's exit gate at this cumulative exit probability, in [0, 1]
     // (docs/ABI.md "Adaptive exit"); shorthand for `exit` "gate:T". Negative (default -1): no
     // threshold. Read by `tl_generate`, `tl_generate_stream`, `tl_score_exit` and their
-    // session forms.
+    // session forms, and with the gate by `tl_generate_speculative` (policy "reference") and
+    // after a prefix cache.
     double exit_threshold;
     // Adaptive exit rule: "gate" (the model's own threshold) or "gate:T", or one of Huginn's
     // criteria "entropy-diff", "latent-diff", "cosine", "kl", "minp-kl" (each with an optional

@@ -65,6 +65,32 @@ def test_the_skip_policy(sandwich):
         _check_exit_stats(s, len(out), 4)
 
 
+def test_speculation_and_prefix_caches_take_the_exit_gate(sandwich):
+    out = sandwich.generate(PROMPT, max_tokens=12, exit="gate:0.5")
+    stats = sandwich.last_generate_stats()
+    assert stats["exit_mean_steps"] < 4, "some tokens exit early"
+    expected = (out.tolist(), stats["exit_tokens"], stats["exit_mean_steps"])
+    for reuse in (True, False):
+        drafted = sandwich.generate_speculative(
+            PROMPT, draft_loops=2, draft_len=3, reuse=reuse, max_tokens=12, exit="gate:0.5"
+        )
+        s = sandwich.last_generate_stats()
+        assert (drafted.tolist(), s["exit_tokens"], s["exit_mean_steps"]) == expected
+        assert s["drafted"] > 0
+    cache = sandwich.build_prefix_cache(PROMPT[:3])
+    after = sandwich.generate(PROMPT[3:], max_tokens=12, exit="gate:0.5", prefix_cache=cache)
+    s = sandwich.last_generate_stats()
+    assert (after.tolist(), s["exit_tokens"], s["exit_mean_steps"]) == expected
+    # A verify step checks several tokens at once: no criterion, no skip.
+    refused = (
+        ({"exit": "kl:0.5"}, "not a criterion"),
+        ({"exit": "gate:0.5", "exit_policy": "skip"}, "exit_policy reference"),
+    )
+    for kwargs, match in refused:
+        with pytest.raises(tinyloop_py.InvalidArgumentError, match=match):
+            sandwich.generate_speculative(PROMPT, draft_loops=2, max_tokens=4, **kwargs)
+
+
 def test_text_generation_takes_the_exit_options(sandwich):
     # A byte-level model (vocab 256, no stored tokenizer) takes text too.
     text = sandwich.generate(text="ROMEO:", max_tokens=8, exit_threshold=0.5)

@@ -546,7 +546,8 @@ class _Runner:
         (docs/ABI.md "Adaptive exit"). ``exit_policy`` "reference" (the default: the model's
         own code's semantics) or "skip" (generated tokens stop at their exit iteration and copy
         its KV into the slots they skip). ``last_generate_stats()`` then counts
-        ``exit_tokens`` and their ``exit_mean_steps``. Not with ``prefix_cache``.
+        ``exit_tokens`` and their ``exit_mean_steps``. With ``prefix_cache``, the gate only (a
+        criterion would stop the prompt's calls, which the prefix never did).
 
         ``text=`` instead of ``tokens``: the prompt as a str, tokenized by the model's
         tokenizer (with its special tokens unless ``add_special_tokens`` is False, as for a
@@ -853,16 +854,23 @@ class _Runner:
         stop: Optional[Iterable[int]] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
     ) -> np.ndarray:
         """Self-speculative generation: ``draft_len`` tokens at a time drafted at
         ``draft_loops`` iterations, verified at ``loops`` (the model default when None). Greedy
         output equals :meth:`generate` at ``loops``; sampled output has its distribution.
         ``reuse=False`` recomputes every block in the verify pass (the baseline,
         :meth:`generate_speculative_no_cache`). Acceptance counts (and with ``beta_monitor``
-        the BETA-MON summary, agreement included): :meth:`last_generate_stats`."""
+        the BETA-MON summary, agreement included): :meth:`last_generate_stats`. Adaptive exit
+        as in :meth:`generate`, with the exit gate at ``exit_policy`` "reference" only: each
+        verify row is its token's output at its exit iteration (the verify pass then runs every
+        iteration, whatever ``reuse`` says), and the tokens and exits are :meth:`generate`'s."""
         call = _Call(
             tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
             ctx_tier=ctx_tier, beta_monitor=beta_monitor,
+            exit_threshold=exit_threshold, exit=exit, exit_policy=exit_policy,
         )
         return self._speculative("generate_speculative", call, draft_loops, draft_len, reuse)
 
@@ -881,6 +889,9 @@ class _Runner:
         stop: Optional[Iterable[int]] = None,
         ctx_tier: Optional[Union["CtxTier", Dict[str, Any]]] = None,
         beta_monitor: BetaMonitor = None,
+        exit_threshold: Optional[float] = None,
+        exit: Optional[str] = None,
+        exit_policy: Optional[str] = None,
     ) -> np.ndarray:
         """The reference pages' name for :meth:`generate_speculative` with ``reuse=False``
         (the same arguments but ``reuse``): the verify pass recomputes every block application
@@ -889,6 +900,7 @@ class _Runner:
         call = _Call(
             tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop,
             ctx_tier=ctx_tier, beta_monitor=beta_monitor,
+            exit_threshold=exit_threshold, exit=exit, exit_policy=exit_policy,
         )
         method = "generate_speculative_no_cache"
         return self._speculative(method, call, draft_loops, draft_len, reuse=False)
