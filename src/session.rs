@@ -141,7 +141,9 @@ impl Session {
         if let Some(exit) = &req.exit {
             match start {
                 Start::Prompt => {}
-                Start::Speculative(_) => speculative::check_exit(exit)?,
+                Start::Speculative(_) => {
+                    speculative::gate_threshold(exit)?;
+                }
                 Start::Prefix(_) => handles::check_exit(exit)?,
             }
         }

@@ -69,7 +69,7 @@ impl Speculation {
 }
 
 /// Generate as [`super::generate`] does at `req.loops`, drafting at `spec.draft_loops`. With an
-/// exit rule (the gate at the reference policy, [`check_exit`]) each verify row is its token's
+/// exit rule (the gate at the reference policy, [`gate_threshold`]) each verify row is its token's
 /// output at its exit iteration: the verify pass runs every iteration, reading the gate after each
 /// (so it recomputes the drafted iterations rather than continuing from them), and the tokens are
 /// those of plain generation with the rule.
@@ -93,9 +93,12 @@ pub fn generate<B: Backend>(
     let mut out = Output::new(req, cancel, on_token);
     let entropy = out.measures();
     let choice = next_choice(&req.sampling, &mut rng);
-    // With an exit rule, the state saved for the exit iteration of each verify row.
-    let mut saved = match req.exit {
-        Some(_) => Some(backend.alloc_float(HIDDEN_ROWS * w.config.dim)?),
+    let mut gate = match req.exit {
+        Some(rule) => Some(Gate {
+            rule,
+            threshold: gate_threshold(&rule)?,
+            saved: backend.alloc_float(HIDDEN_ROWS * w.config.dim)?,
+        }),
         None => None,
     };
     let (mut next, mut next_exit) = match req.exit {
@@ -134,7 +137,7 @@ pub fn generate<B: Backend>(
                 next.token,
                 pos,
                 &mut rng,
-                saved.as_mut(),
+                gate.as_mut(),
             )?;
             pos += 1;
             continue;
@@ -150,7 +153,7 @@ pub fn generate<B: Backend>(
             k,
             entropy,
             &mut rng,
-            saved.as_mut(),
+            gate.as_mut(),
             cancel,
         )?;
         let stats = &mut out.stats;
@@ -170,13 +173,21 @@ pub fn generate<B: Backend>(
     Ok(out.finish())
 }
 
-/// The exit rules speculation takes: the gate at the reference policy. A criterion decides per
-/// call, and a verify step would be one call for several tokens; under `skip` a verify row would
-/// attend to deeper states of earlier rows that had exited, where plain generation copies their
-/// exit state.
-pub fn check_exit(exit: &ResolvedExit) -> Result<()> {
+/// The exit rule of a speculative call: the gate, its threshold, and room for the exit states of
+/// the verify rows.
+struct Gate<F> {
+    rule: ResolvedExit,
+    threshold: f64,
+    saved: F,
+}
+
+/// The threshold of the only exit rule speculation takes: the gate at the reference policy. A
+/// criterion decides per call, and a verify step would be one call for several tokens; under
+/// `skip` a verify row would attend to deeper states of earlier rows that had exited, where
+/// plain generation copies their exit state.
+pub fn gate_threshold(exit: &ResolvedExit) -> Result<f64> {
     match (exit.decision, exit.policy) {
-        (Decision::Gate(_), ExitPolicy::Reference) => Ok(()),
+        (Decision::Gate(threshold), ExitPolicy::Reference) => Ok(threshold),
         (Decision::Criterion(..), _) => Err(Error::invalid(
             "speculation takes the exit gate, not a criterion: a criterion decides per call, and \
              a verify step checks several tokens in one",
@@ -188,8 +199,8 @@ pub fn check_exit(exit: &ResolvedExit) -> Result<()> {
     }
 }
 
-/// Feed `token` at `pos` in a plain decode step (with the request's exit rule, when it has one,
-/// keeping its exit state in `saved`) and return the token chosen after it, with its exit.
+/// Feed `token` at `pos` in a plain decode step (with the exit gate, when the call has one) and
+/// return the token chosen after it, with its exit.
 #[allow(clippy::too_many_arguments)]
 fn plain_step<B: Backend>(
     backend: &B,
@@ -199,7 +210,7 @@ fn plain_step<B: Backend>(
     token: u32,
     pos: usize,
     rng: &mut Rng,
-    saved: Option<&mut B::Float>,
+    gate: Option<&mut Gate<B::Float>>,
 ) -> Result<(Chosen, Option<usize>)> {
     let input = StepInput {
         tokens: &[token],
@@ -207,8 +218,8 @@ fn plain_step<B: Backend>(
         choice: next_choice(&out.req.sampling, rng),
     };
     let (loops, entropy) = (out.req.loops, out.measures());
-    if let (Some(rule), Some(saved)) = (out.req.exit, saved) {
-        let cancel = out.cancel;
+    if let Some(gate) = gate {
+        let (rule, saved, cancel) = (gate.rule, &mut gate.saved, out.cancel);
         let (next, decided) =
             exit::token_step(backend, w, buf, input, loops, rule, entropy, saved, cancel)?;
         return Ok((next, Some(decided.exits[0])));
@@ -233,7 +244,7 @@ struct Round {
 }
 
 /// Draft `k` tokens after `t` (at `pos`) and verify them; with `entropy`, measure the verify
-/// rows' entropies. With an exit rule, `saved` holds the verify rows' exit states.
+/// rows' entropies. With the exit gate, each verify row is its token's output at its exit.
 #[allow(clippy::too_many_arguments)]
 fn round<B: Backend>(
     backend: &B,
@@ -246,7 +257,7 @@ fn round<B: Backend>(
     k: usize,
     entropy: bool,
     rng: &mut Rng,
-    saved: Option<&mut B::Float>,
+    gate: Option<&mut Gate<B::Float>>,
     cancel: &AtomicBool,
 ) -> Result<Round> {
     let vocab = w.config.vocab_size;
@@ -292,8 +303,9 @@ fn round<B: Backend>(
         start_pos: pos,
         choice: Choice::Greedy,
     };
-    let exits = match (req.exit.map(|e| e.decision), saved) {
-        (Some(Decision::Gate(threshold)), Some(saved)) => {
+    let exits = match gate {
+        Some(gate) => {
+            let (threshold, saved) = (gate.threshold, &mut gate.saved);
             let exits = exit::exit_step(
                 backend, w, buf, verify, req.loops, threshold, false, saved, cancel,
             )?;
@@ -301,7 +313,7 @@ fn round<B: Backend>(
             logits(backend, w, buf, 0, k + 1);
             Some(exits)
         }
-        _ => {
+        None => {
             let (draft_loops, loops) = (spec.draft_loops, req.loops);
             verify_step(backend, w, buf, verify, draft_loops, loops, spec.reuse)?;
             None
