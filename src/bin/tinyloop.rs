@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+#[path = "tinyloop/concurrent.rs"]
+mod concurrent;
 #[path = "tinyloop/position_buckets.rs"]
 mod position_buckets;
 
@@ -505,6 +507,15 @@ struct BenchArgs {
     /// Also time a score call (logits for every prompt position) over the prompt.
     #[arg(long)]
     score: bool,
+    /// Also run N generations at once, each on its own session and thread, --repeats times
+    /// each, and report their aggregate tokens/s and latency percentiles.
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with_all = ["prefix_cache", "resume_from", "draft_loops"],
+        value_parser = whole::<usize>(1, 1024)
+    )]
+    concurrency: Option<usize>,
     #[command(flatten)]
     ctx_tier: CtxTierArgs,
 }
@@ -1569,6 +1580,10 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
     } else {
         None
     };
+    let concurrency = match args.concurrency {
+        Some(n) => Some(concurrent::run(&model, &prompt, &params, n, args.repeats)?),
+        None => None,
+    };
     // Opening again in the same process: the driver, context and kernels are loaded already, as
     // for a service that loads a second model or reloads one.
     let start = Instant::now();
@@ -1620,6 +1635,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "prefix_cache": args.prefix_cache,
         "resume_from": args.resume_from,
         "beta_monitor": args.beta_mon.beta_monitor,
+        "concurrency": concurrency,
         "stats": stats_json(&session.last_generate_stats(), speculation.is_some()),
     });
     if common.json {
@@ -1650,6 +1666,17 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
             println!(
                 "  score ({n:>4} tok) {ms:>9.2} ms ({:.1} TFLOP/s)",
                 tflops(score_flops, ms)
+            );
+        }
+        if let Some(c) = &concurrency {
+            println!(
+                "  concurrent      {} sessions: {:.1} tok/s aggregate, first token p50 {:.1} ms, \
+                 between tokens p50 {:.3} / p99 {:.3} ms",
+                c["sessions"],
+                c["aggregate_tokens_per_s"].as_f64().unwrap_or(0.0),
+                c["ttft_ms"]["p50"].as_f64().unwrap_or(0.0),
+                c["itl_ms"]["p50"].as_f64().unwrap_or(0.0),
+                c["itl_ms"]["p99"].as_f64().unwrap_or(0.0),
             );
         }
         if let Some(kernels) = &model.info().kernels {
