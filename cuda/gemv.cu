@@ -132,70 +132,104 @@ struct GemvInput {
     float* x_next;      // the settled row
 };
 
-// Mean and 1 / sqrt(var + eps) of a row of width K (a multiple of 8) whose float4 chunk i is
-// `chunk(i)` (mean = 0 for RMSNorm). Every thread gets both.
-template <class Chunk>
-DEV float2 row_stats(Chunk chunk, int K, int layer_norm, float eps, float* scratch) {
+// A normalizing GEMV reads its row once: thread t keeps the 8-value chunks c = t + j * blockDim
+// (j < NC) in registers through both norms and the staging. Each kernel is compiled for NC = 1
+// (K <= 2048) and NC = 3 (K <= 6144; linear.rs `norm_chunks`): registers held for chunks a row
+// does not have cost the GEMV its occupancy.
+template <int NC>
+using NormRow = float[NC][8];
+
+DEV bool holds_chunk(int j, int chunks) { return threadIdx.x + j * blockDim.x < chunks; }
+
+// Eight f32 values at `p` (16-byte aligned).
+DEV void load8(const float* p, float* v) {
+    const float4 a = ((const float4*)p)[0], b = ((const float4*)p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Mean and 1 / sqrt(var + eps) of the row held in `v` (mean = 0 for RMSNorm), summed per thread
+// in chunk order and then over the block: the same order in every block, so every block
+// normalizes identically. Every thread gets both.
+template <int NC>
+DEV float2 held_stats(const NormRow<NC>& v, int K, int layer_norm, float eps, float* scratch) {
+    const int chunks = K >> 3;
     const float n = (float)K;
     float mean = 0.0f;
     if (layer_norm) {
         float s = 0.0f;
-        for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-            const float4 a = chunk(i);
-            s += (a.x + a.y) + (a.z + a.w);
-        }
+#pragma unroll
+        for (int j = 0; j < NC; j++)
+            if (holds_chunk(j, chunks))
+#pragma unroll
+                for (int k = 0; k < 8; k++) s += v[j][k];
         mean = __fdiv_rn(block_sum(s, scratch), n);
     }
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < K / 4; i += blockDim.x) {
-        const float4 a = chunk(i);
-        const float e[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float d = __fsub_rn(e[k], mean);
-            ss = fmaf(d, d, ss);
-        }
-    }
+    for (int j = 0; j < NC; j++)
+        if (holds_chunk(j, chunks))
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float d = __fsub_rn(v[j][k], mean);
+                ss = fmaf(d, d, ss);
+            }
     const float var = __fdiv_rn(block_sum(ss, scratch), n);
     return make_float2(mean, __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps))));
 }
 
-// (v - mean) * inv * w + b for four values, in f32 as norm_state_rows rounds it.
-DEV float4 norm_f32x4(float4 v, uint2 w, uint2 b, float2 st) {
-    const float vs[4] = {v.x, v.y, v.z, v.w};
-    const float ws[4] = {lo_f16(w.x), hi_f16(w.x), lo_f16(w.y), hi_f16(w.y)};
-    const float bs[4] = {lo_f16(b.x), hi_f16(b.x), lo_f16(b.y), hi_f16(b.y)};
-    float o[4];
+// (v - mean) * inv * w + b for the 8 values of chunk c, in f32 as norm_state_rows rounds it.
+DEV void norm_f32x8(float* v, const f16_t* w, const f16_t* b, int c, float2 st) {
+    const uint4 wv = *(const uint4*)(w + 8 * c);
+    const uint4 bv = b ? *(const uint4*)(b + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+    const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, bs[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        o[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(vs[j], st.x), st.y), ws[j]), bs[j]);
-    return make_float4(o[0], o[1], o[2], o[3]);
+    for (int k = 0; k < 8; k++) {
+        const float wk = k & 1 ? hi_f16(ws[k >> 1]) : lo_f16(ws[k >> 1]);
+        const float bk = k & 1 ? hi_f16(bs[k >> 1]) : lo_f16(bs[k >> 1]);
+        v[k] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(v[k], st.x), st.y), wk), bk);
+    }
 }
 
-DEV float4 add4(float4 a, float4 b) {
-    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
-                       __fadd_rn(a.w, b.w));
-}
-
-// What the output norm of a pending residual normalizes: delta, or x + delta.
-DEV float4 residual_source(const GemvInput& in, int i) {
-    const float4 d = ((const float4*)in.delta)[i];
-    return in.res_mode == RES_SANDWICH ? d : add4(((const float4*)in.xf)[i], d);
-}
-
-// Float4 chunk i of the settled row; `os` are the output norm's statistics.
-DEV float4 settled_chunk(const GemvInput& in, int i, float2 os) {
-    const float4 x = ((const float4*)in.xf)[i];
-    if (in.res_mode == RES_NONE) return x;
-    const uint2 w = ((const uint2*)in.ow)[i];
-    const uint2 b = in.ob ? ((const uint2*)in.ob)[i] : make_uint2(0u, 0u);
-    const float4 normed = norm_f32x4(residual_source(in, i), w, b, os);
-    return in.res_mode == RES_SANDWICH ? add4(x, normed) : normed;
+// The row a normalizing GEMV normalizes, into `v`: `xf`, or with a pending sublayer output the
+// settled row (x + norm_o(delta), or norm_o(x + delta)), which block 0 writes to `x_next`.
+template <int NC>
+DEV void load_settled_row(const GemvInput& in, int K, NormRow<NC>& v, float* scratch) {
+    const int chunks = K >> 3;
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (!holds_chunk(j, chunks)) continue;
+        load8(in.res_mode == RES_SANDWICH ? in.delta + 8 * c : in.xf + 8 * c, v[j]);
+        if (in.res_mode == RES_SANDWICH_RESIDUAL) {
+            float d[8];
+            load8(in.delta + 8 * c, d);
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[j][k] = __fadd_rn(v[j][k], d[k]);
+        }
+    }
+    if (in.res_mode == RES_NONE) return;
+    const float2 os = held_stats(v, K, in.layer_norm, in.eps, scratch);
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (!holds_chunk(j, chunks)) continue;
+        norm_f32x8(v[j], in.ow, in.ob, c, os);
+        if (in.res_mode == RES_SANDWICH) {
+            float x[8];
+            load8(in.xf + 8 * c, x);
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[j][k] = __fadd_rn(x[k], v[j][k]);
+        }
+        if (blockIdx.x == 0) {
+            float4* dst = (float4*)(in.x_next + 8 * c);
+            dst[0] = make_float4(v[j][0], v[j][1], v[j][2], v[j][3]);
+            dst[1] = make_float4(v[j][4], v[j][5], v[j][6], v[j][7]);
+        }
+    }
 }
 
 // Four normalized values, rounded to f16 exactly like norm_rows, widened back to f32.
-DEV float4 norm_f16x4(float4 x, uint2 w, uint2 b, float2 st) {
-    const float xs[4] = {x.x, x.y, x.z, x.w};
+DEV float4 norm_f16x4(const float* xs, uint2 w, uint2 b, float2 st) {
     const float ws[4] = {lo_f16(w.x), hi_f16(w.x), lo_f16(w.y), hi_f16(w.y)};
     const float bs[4] = {lo_f16(b.x), hi_f16(b.x), lo_f16(b.y), hi_f16(b.y)};
     float o[4];
@@ -207,7 +241,26 @@ DEV float4 norm_f16x4(float4 x, uint2 w, uint2 b, float2 st) {
     return make_float4(o[0], o[1], o[2], o[3]);
 }
 
-template <int BITS, int R, bool GATEUP, bool NORM>
+// Eight staged values (chunk c of row r) into shared memory, and for quantized weights their
+// 32-value unit's sum (the four threads of a unit are adjacent lanes; every lane of the warp
+// calls this, `in` says whether its values count).
+DEV void stage_chunk(float* smem, int r, int c, int U, bool Q, float4 a, float4 b, bool in) {
+    const int UNIT = Q ? QUNIT : HUNIT, STRIDE = Q ? QSTRIDE : HSTRIDE;
+    const int u = (8 * c) / UNIT, off = (8 * c) - u * UNIT;
+    float* dst = smem + (r * U + u) * STRIDE + off;
+    if (in) {
+        *(float4*)dst = a;
+        *(float4*)(dst + 4) = b;
+    }
+    if (Q) {
+        float part = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        if (in && off == 0) dst[QUNIT] = part;
+    }
+}
+
+template <int BITS, int R, bool GATEUP, bool NORM, int NC = 1>
 DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
               const f16_t* __restrict__ sz0, const u8* __restrict__ w1,
               const f16_t* __restrict__ sz1, int N, int group, int tpr, int stream_hint,
@@ -270,53 +323,37 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
 
     // 2. Stage x as f32 (rows >= `rows` are zero), 8 values per thread and step; for quantized
     //    weights the four threads of a 32-value unit also sum it (shuffles, fixed order).
-    float2 stats = make_float2(0.0f, 1.0f), out_stats = stats;
-    if (NORM) {
-        if (input.res_mode != RES_NONE) {
-            auto source = [&](int i) { return residual_source(input, i); };
-            out_stats = row_stats(source, K, input.layer_norm, input.eps, red);
-        }
-        auto settled = [&](int i) { return settled_chunk(input, i, out_stats); };
-        stats = row_stats(settled, K, input.layer_norm, input.eps, red);
-    }
     const int chunks = K >> 3;
-    const int total = R * chunks;
-    for (int base = 0; base < total; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const bool in = i < total;
-        const int r = in ? i / chunks : 0, c = in ? i - r * chunks : 0;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-        if (NORM) {
-            if (in && r < rows) {
-                const float4 x0 = settled_chunk(input, 2 * c, out_stats);
-                const float4 x1 = settled_chunk(input, 2 * c + 1, out_stats);
-                if (input.res_mode != RES_NONE && blockIdx.x == 0) {
-                    ((float4*)input.x_next)[2 * c] = x0;
-                    ((float4*)input.x_next)[2 * c + 1] = x1;
-                }
+    if (NORM) {
+        NormRow<NC> v;
+        load_settled_row(input, K, v, red);
+        const float2 st = held_stats(v, K, input.layer_norm, input.eps, red);
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+            if (j * blockDim.x >= chunks) break; // block-uniform: every lane shuffles
+            const int c = threadIdx.x + j * blockDim.x;
+            const bool in = c < chunks;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+            if (in) {
                 const uint4 wv = *(const uint4*)(input.nw + 8 * c);
                 const uint4 bv =
                     input.nb ? *(const uint4*)(input.nb + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-                a = norm_f16x4(x0, make_uint2(wv.x, wv.y), make_uint2(bv.x, bv.y), stats);
-                b = norm_f16x4(x1, make_uint2(wv.z, wv.w), make_uint2(bv.z, bv.w), stats);
+                a = norm_f16x4(v[j], make_uint2(wv.x, wv.y), make_uint2(bv.x, bv.y), st);
+                b = norm_f16x4(v[j] + 4, make_uint2(wv.z, wv.w), make_uint2(bv.z, bv.w), st);
             }
-        } else {
+            stage_chunk(smem, 0, in ? c : 0, U, Q, a, b, in);
+        }
+    } else {
+        const int total = R * chunks;
+        for (int base = 0; base < total; base += blockDim.x) {
+            const int i = base + threadIdx.x;
+            const bool in = i < total;
+            const int r = in ? i / chunks : 0, c = in ? i - r * chunks : 0;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
             if (in && r < rows) v = *(const uint4*)(input.x + (size_t)r * K + 8 * c);
-            a = make_float4(lo_f16(v.x), hi_f16(v.x), lo_f16(v.y), hi_f16(v.y));
-            b = make_float4(lo_f16(v.z), hi_f16(v.z), lo_f16(v.w), hi_f16(v.w));
-        }
-        const int u = (8 * c) / UNIT, off = (8 * c) - u * UNIT;
-        float* dst = smem + (r * U + u) * STRIDE + off;
-        if (in) {
-            *(float4*)dst = a;
-            *(float4*)(dst + 4) = b;
-        }
-        if (Q) {
-            float part = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            part += __shfl_xor_sync(0xffffffffu, part, 2);
-            if (in && off == 0) dst[QUNIT] = part;
+            const float4 a = make_float4(lo_f16(v.x), hi_f16(v.x), lo_f16(v.y), hi_f16(v.y));
+            const float4 b = make_float4(lo_f16(v.z), hi_f16(v.z), lo_f16(v.w), hi_f16(v.w));
+            stage_chunk(smem, r, c, U, Q, a, b, in);
         }
     }
     __syncthreads();
@@ -394,27 +431,28 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
 
 // One row normalized on the fly (decode): `nb` may be null (no bias). With `res_mode` the row is
 // `xf` with the pending output `delta` added (output norm `ow`, `ob`), written to `x_next`.
-#define GEMV_NORM_KERNELS(B)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) gemv_norm_b##B(   \
+#define GEMV_NORM_KERNELS(B, NC)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
+        gemv_norm_b##B##_c##NC(                                                                   \
         const float* xf, int K, const f16_t* nw, const f16_t* nb, int layer_norm, float eps,      \
         const u8* w, const f16_t* sz, int N, int group, int tpr, int stream, float* out,          \
         int accumulate, int res_mode, const float* delta, const f16_t* ow, const f16_t* ob,       \
         float* x_next) {                                                                          \
         const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps, res_mode, delta, ow, ob,      \
                               x_next};                                                            \
-        gemv<B, 1, false, true>(in, 1, K, w, sz, w, sz, N, group, tpr, stream, out, accumulate,   \
-                                nullptr);                                                         \
+        gemv<B, 1, false, true, NC>(in, 1, K, w, sz, w, sz, N, group, tpr, stream, out,           \
+                                    accumulate, nullptr);                                         \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                   \
-        gemv_gateup_norm_b##B(const float* xf, int K, const f16_t* nw, const f16_t* nb,           \
-                              int layer_norm, float eps, const u8* wg, const f16_t* szg,          \
-                              const u8* wu, const f16_t* szu, int N, int group, int tpr,          \
-                              int stream, f16_t* out, int res_mode, const float* delta,           \
-                              const f16_t* ow, const f16_t* ob, float* x_next) {                  \
+        gemv_gateup_norm_b##B##_c##NC(                                                            \
+        const float* xf, int K, const f16_t* nw, const f16_t* nb, int layer_norm, float eps,      \
+        const u8* wg, const f16_t* szg, const u8* wu, const f16_t* szu, int N, int group,         \
+        int tpr, int stream, f16_t* out, int res_mode, const float* delta, const f16_t* ow,       \
+        const f16_t* ob, float* x_next) {                                                         \
         const GemvInput in = {nullptr, xf, nw, nb, layer_norm, eps, res_mode, delta, ow, ob,      \
                               x_next};                                                            \
-        gemv<B, 1, true, true>(in, 1, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr, 0,     \
-                               out);                                                              \
+        gemv<B, 1, true, true, NC>(in, 1, K, wg, szg, wu, szu, N, group, tpr, stream, nullptr,    \
+                                   0, out);                                                       \
     }
 
 // The library compiles one program per bit width (GEMV_BITS), in parallel; without GEMV_BITS
@@ -429,19 +467,22 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
 GEMV_KERNELS(16, 1)
 GEMV_KERNELS(16, 2)
 GEMV_KERNELS(16, 4)
-GEMV_NORM_KERNELS(16)
+GEMV_NORM_KERNELS(16, 1)
+GEMV_NORM_KERNELS(16, 3)
 #endif
 #if GEMV_ALL || GEMV_BITS == 4
 GEMV_KERNELS(4, 1)
 GEMV_KERNELS(4, 2)
 GEMV_KERNELS(4, 4)
-GEMV_NORM_KERNELS(4)
+GEMV_NORM_KERNELS(4, 1)
+GEMV_NORM_KERNELS(4, 3)
 #endif
 #if GEMV_ALL || GEMV_BITS == 2
 GEMV_KERNELS(2, 1)
 GEMV_KERNELS(2, 2)
 GEMV_KERNELS(2, 4)
-GEMV_NORM_KERNELS(2)
+GEMV_NORM_KERNELS(2, 1)
+GEMV_NORM_KERNELS(2, 3)
 #endif
 
 #if GEMV_ALL || GEMV_BITS == 16

@@ -82,6 +82,9 @@ const OPTIONS: [&str; 3] = ["--std=c++17", "-lineinfo", "-DTL_NVRTC=1"];
 pub(crate) const BITS: [u32; 3] = [16, 4, 2];
 /// Row counts the GEMV kernels are instantiated for, in index order.
 pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
+/// The 8-value chunks per thread of the normalizing GEMV variants (cuda/gemv.cu `NormRow`): rows
+/// of up to `8 · 256 · chunks` values.
+pub(crate) const GEMV_NORM_CHUNKS: [usize; 2] = [1, 3];
 /// The most rows `gemm_small` takes (one MMA tile of rows; cuda/gemm.cu).
 pub(crate) const SMALL_GEMM_ROWS: usize = 16;
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
@@ -108,9 +111,10 @@ pub(crate) struct Kernels {
     /// `[bits index][rows index]`
     pub gemv: [[sys::CUfunction; 3]; 3],
     pub gemv_gateup: [[sys::CUfunction; 3]; 3],
-    /// `[bits index]`: one row, normalized on the fly.
-    pub gemv_norm: [sys::CUfunction; 3],
-    pub gemv_gateup_norm: [sys::CUfunction; 3],
+    /// `[bits index][chunks index]`: one row, normalized on the fly, held in registers as
+    /// [`GEMV_NORM_CHUNKS`] 8-value chunks per thread.
+    pub gemv_norm: [[sys::CUfunction; 2]; 3],
+    pub gemv_gateup_norm: [[sys::CUfunction; 2]; 3],
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
     /// `[bits index]`: products of at most [`SMALL_GEMM_ROWS`] rows.
@@ -140,7 +144,11 @@ impl Kernels {
     pub fn allow_dynamic_smem(&self, optin: usize) -> Result<()> {
         let limit = optin.saturating_sub(2048) as i32;
         let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
-        let norm = self.gemv_norm.iter().chain(&self.gemv_gateup_norm);
+        let norm = self
+            .gemv_norm
+            .iter()
+            .chain(&self.gemv_gateup_norm)
+            .flatten();
         let norms = [&self.norm_rows, &self.norm_state_rows];
         let others = norms.into_iter().chain(&self.flash_attention);
         for f in all.chain(norm).chain(others) {
@@ -646,6 +654,15 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
+    let by_chunks = |prefix: &str| -> Result<[[sys::CUfunction; 2]; 3]> {
+        let mut out = [[std::ptr::null_mut(); 2]; 3];
+        for (i, bits) in BITS.iter().enumerate() {
+            for (j, chunks) in GEMV_NORM_CHUNKS.iter().enumerate() {
+                out[i][j] = get(GEMV + i, &format!("{prefix}_b{bits}_c{chunks}"))?;
+            }
+        }
+        Ok(out)
+    };
     let by_bits_one = |program: &dyn Fn(usize) -> usize, prefix: &str| {
         let mut out = [std::ptr::null_mut(); 3];
         for (i, bits) in BITS.iter().enumerate() {
@@ -671,8 +688,8 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             sample_token: get(SAMPLE, "sample_token")?,
             gemv: by_bits("gemv")?,
             gemv_gateup: by_bits("gemv_gateup")?,
-            gemv_norm: by_bits_one(&|i| GEMV + i, "gemv_norm")?,
-            gemv_gateup_norm: by_bits_one(&|i| GEMV + i, "gemv_gateup_norm")?,
+            gemv_norm: by_chunks("gemv_norm")?,
+            gemv_gateup_norm: by_chunks("gemv_gateup_norm")?,
             gemm: by_bits_one(&|_| GEMM, "gemm")?,
             gemm_small: by_bits_one(&|_| GEMM, "gemm_small")?,
             linear_generic: get(GEMV, "linear_generic")?,

@@ -297,9 +297,16 @@ impl CudaBackend {
         self.run("gemm", k.gemm[w.bits_index()], grid, 128, 0, &args);
     }
 
-    /// Whether one row's norm can be fused into the GEMV of `w` (decode).
-    fn fuses_norm(&self, norm: &NormLayer<CudaVector>, rows: usize, w: &CudaLinear) -> bool {
-        rows == 1 && norm.weight.len == w.cols && self.gemv_rows(w, 1).is_some()
+    /// Whether one row's norm can be fused into the GEMV of `w` (decode): the normalizing
+    /// GEMV variant that does it.
+    fn fused_norm(
+        &self,
+        norm: &NormLayer<CudaVector>,
+        rows: usize,
+        w: &CudaLinear,
+    ) -> Option<usize> {
+        let fits = rows == 1 && norm.weight.len == w.cols && self.gemv_rows(w, 1).is_some();
+        norm_chunks(w.cols).filter(|_| fits)
     }
 
     /// The GEMV row variant (index into GEMV_ROWS) for `rows` rows, if the GEMV path applies.
@@ -322,11 +329,11 @@ impl CudaBackend {
         h: &mut DevBuf,
         out: &mut DevBuf,
     ) {
-        if !self.fuses_norm(norm, rows, w) {
+        let Some(chunks) = self.fused_norm(norm, rows, w) else {
             let x = self.settle(x, pending, rows);
             self.norm_rows(norm, x, rows, h);
             return self.matmul(h.ptr, rows, w, out.ptr, false);
-        }
+        };
         let k = &self.gpu.kernels;
         let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
         let [r0, r1, r2, r3, r4] = residual_args(pending);
@@ -355,7 +362,7 @@ impl CudaBackend {
         let smem = w.gemv_smem(1);
         self.run(
             "gemv_norm",
-            k.gemv_norm[w.bits_index()],
+            k.gemv_norm[w.bits_index()][chunks],
             grid,
             256,
             smem,
@@ -378,11 +385,12 @@ impl CudaBackend {
         scratch: (&mut DevBuf, &mut DevBuf),
         out: &mut DevBuf,
     ) {
-        if !(self.fuses_norm(norm, rows, gate) && same_shape(gate, up)) {
+        let fused = self.fused_norm(norm, rows, gate);
+        let Some(chunks) = fused.filter(|_| same_shape(gate, up)) else {
             let x = self.settle(x, pending, rows);
             self.norm_rows(norm, x, rows, h);
             return self.gate_up(h, rows, gate, up, scratch.0, scratch.1, out);
-        }
+        };
         let k = &self.gpu.kernels;
         let [a0, a1, a2, a3, a4, a5] = norm_args(norm, x);
         let [r0, r1, r2, r3, r4] = residual_args(pending);
@@ -410,7 +418,7 @@ impl CudaBackend {
         ];
         let grid = (gate.rows.div_ceil(256 / gate.tpr as usize) as u32, 1, 1);
         let smem = gate.gemv_smem(1);
-        let f = k.gemv_gateup_norm[gate.bits_index()];
+        let f = k.gemv_gateup_norm[gate.bits_index()][chunks];
         self.run("gemv_gateup_norm", f, grid, 256, smem, &args);
     }
 
@@ -528,6 +536,14 @@ fn same_shape(gate: &CudaLinear, up: &CudaLinear) -> bool {
         && gate.cols == up.cols
         && gate.tpr == up.tpr
         && up.fast
+}
+
+/// The normalizing GEMV variant (index into [`kernels::GEMV_NORM_CHUNKS`]) for rows of `k`
+/// values: the fewest chunks per thread that hold the row.
+fn norm_chunks(k: usize) -> Option<usize> {
+    kernels::GEMV_NORM_CHUNKS
+        .iter()
+        .position(|&chunks| k <= 8 * 256 * chunks)
 }
 
 /// The leading arguments of the normalizing GEMV kernels: the f32 row and the norm layer.
