@@ -53,6 +53,29 @@ typedef enum tl_status {
     TL_ERR_BUFFER_TOO_SMALL = 10,
 } tl_status;
 
+// The kind of a `tl_engine_event`.
+typedef enum tl_event_kind {
+    // No event within the timeout; the request is still running.
+    TL_EVENT_NONE = 0,
+    // `token` holds the request's next token.
+    TL_EVENT_TOKEN = 1,
+    // The request finished; `stats` holds what it did. Its id is no longer valid.
+    TL_EVENT_DONE = 2,
+} tl_event_kind;
+
+// Why a request ended.
+typedef enum tl_finish {
+    // It produced `max_tokens` tokens (or filled max_seq_len).
+    TL_FINISH_LENGTH = 0,
+    // It produced one of its stop tokens (not returned).
+    TL_FINISH_STOP = 1,
+} tl_finish;
+
+// An engine: one model serving many concurrent requests, batched at every step. Opaque;
+// created by `tl_engine_new`, freed by `tl_engine_free`. A handle is a value the library looks
+// up, not an address.
+typedef struct tl_engine tl_engine;
+
 // An open model: immutable weights on one device plus a default session. Opaque; created by
 // `tl_model_open`, closed (and freed) by `tl_close` or `tl_model_free`. A handle is a value
 // the library looks up, not an address: never dereference it.
@@ -362,6 +385,63 @@ typedef struct tl_chat_message {
 // by a NUL, valid only during the callback. Return true to continue, false to stop generation
 // (the call then returns TL_OK).
 typedef bool (*tl_text_callback)(const char *piece, size_t len, void *user_data);
+
+// How an engine is sized. Fill with `tl_engine_default_params`, then change fields.
+typedef struct tl_engine_params {
+    // `sizeof(tl_engine_params)`; set by `tl_engine_default_params`. Smaller values are
+    // rejected; larger values are accepted and the extra bytes ignored.
+    size_t struct_size;
+    // Rows one step runs at most (decode rows and prompt chunks together), >= 1. Default 256.
+    uint32_t max_step_rows;
+    // Requests that run at once, >= 1; more wait in the queue. Default 64.
+    uint32_t max_running;
+    // Positions per KV page, >= 1. Default 16.
+    uint32_t page_size;
+    // Requests waiting at most, >= 1; `tl_engine_submit` beyond it is `TL_ERR_BUSY`.
+    // Default 4096.
+    uint32_t max_queued;
+    // Positions of the KV pool (rounded up to whole pages); 0 (default): 8 × max_seq_len.
+    uint64_t pool_positions;
+} tl_engine_params;
+
+// What one request did (in its `TL_EVENT_DONE` event).
+typedef struct tl_request_stats {
+    uint32_t prompt_tokens;
+    // Tokens returned.
+    uint32_t tokens;
+    enum tl_finish finish;
+    // From submission to admission (its KV pages reserved).
+    double queue_ms;
+    // From submission to its first token.
+    double first_token_ms;
+    // From submission to its end.
+    double total_ms;
+} tl_request_stats;
+
+// One event of a request, from `tl_engine_next`.
+typedef struct tl_engine_event {
+    enum tl_event_kind kind;
+    // `TL_EVENT_TOKEN`: the token; -1 otherwise.
+    int32_t token;
+    // `TL_EVENT_DONE`: the request's statistics; zero otherwise.
+    struct tl_request_stats stats;
+} tl_engine_event;
+
+// What an engine holds now (`tl_engine_get_stats`).
+typedef struct tl_engine_stats {
+    // Requests waiting to be admitted.
+    uint64_t queued;
+    // Requests running (prefilling or generating).
+    uint64_t running;
+    uint64_t pool_pages;
+    // Pages held by running requests.
+    uint64_t pages_used;
+    uint64_t page_size;
+    // Steps run since the engine started, and the rows and generated tokens they carried.
+    uint64_t steps;
+    uint64_t rows;
+    uint64_t tokens;
+} tl_engine_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1090,6 +1170,80 @@ enum tl_status tl_score_text(const struct tl_model *model, const char *text, int
 // # Safety
 // As `tl_score_text`.
 enum tl_status tl_session_score_text(const struct tl_session *session, const char *text, int32_t loops, float *out, size_t cap, size_t *len);
+
+// Fill `*params` with the defaults of this library version (including `struct_size`): 256
+// rows per step, 64 running requests, pages of 16 positions, a pool of 8 × max_seq_len
+// positions, 4096 queued requests.
+//
+// Ownership: the caller owns `*params`. Threads: any thread.
+//
+// # Safety
+// `params` must be NULL or valid for a write of `tl_engine_params`.
+enum tl_status tl_engine_default_params(struct tl_engine_params *params);
+
+// Create an engine over `model`: its step buffers and KV pool are allocated and its thread
+// started. `params` may be NULL (defaults). The model's KV mode must be fp16, int8 or delta,
+// and the model must run on the CPU (`TL_ERR_INVALID_ARGUMENT` otherwise). The engine keeps
+// the weights alive: it works on after `tl_close(model)` until it is freed.
+//
+// Ownership: the caller owns `*out_engine` and frees it with `tl_engine_free`. Threads: any
+// thread.
+//
+// # Safety
+// `params` must be NULL or point to a `tl_engine_params` of at least its `struct_size` bytes;
+// `out_engine` must be valid for a write.
+enum tl_status tl_engine_new(const struct tl_model *model, const struct tl_engine_params *params, struct tl_engine **out_engine);
+
+// Queue a request: `tokens` (`n_tokens` >= 1 ids) as its prompt, generated as `tl_generate`
+// would with `params` (NULL: defaults; `prefix_cache`, `ctx_tier`, `beta_monitor` and the
+// exit rules are rejected). Writes the request's id to `*out_id`; take its tokens with
+// `tl_engine_next`. `TL_ERR_BUSY` when `max_queued` requests are waiting already.
+//
+// Ownership: `tokens` and `params` are only read during the call. Threads: any thread, also
+// while other threads submit or take events.
+//
+// # Safety
+// `tokens` must point to `n_tokens` readable values; `params` as for `tl_generate`; `out_id`
+// must be valid for a write.
+enum tl_status tl_engine_submit(const struct tl_engine *engine, const int32_t *tokens, size_t n_tokens, const struct tl_generate_params *params, uint64_t *out_id);
+
+// Take the next event of request `id`, waiting up to `timeout_ms` milliseconds (0: do not
+// wait; -1: wait until there is one). TL_OK with `TL_EVENT_TOKEN` (a token), `TL_EVENT_DONE`
+// (the request finished; the id is forgotten) or `TL_EVENT_NONE` (nothing yet). A request that
+// ended without finishing returns its error instead — `TL_ERR_CANCELLED` after
+// `tl_engine_cancel` or when the engine is freed, or the failure that stopped it, with its
+// message — and its id is forgotten. An id that was forgotten or never given is
+// `TL_ERR_INVALID_ARGUMENT`; two threads waiting on one id: the second gets `TL_ERR_BUSY`.
+//
+// Ownership: `*out_event` is written on TL_OK. Threads: any thread; different requests'
+// events may be taken from different threads at once.
+//
+// # Safety
+// `out_event` must be valid for a write.
+enum tl_status tl_engine_next(const struct tl_engine *engine, uint64_t id, int32_t timeout_ms, struct tl_engine_event *out_event);
+
+// Cancel request `id`: it ends at the engine's next step, and `tl_engine_next` then returns
+// `TL_ERR_CANCELLED` for it. A request that has ended (finished, failed or cancelled already)
+// or an id this engine never gave is `TL_ERR_INVALID_ARGUMENT`.
+//
+// Ownership: none. Threads: any thread, also while another thread waits in `tl_engine_next`.
+enum tl_status tl_engine_cancel(const struct tl_engine *engine, uint64_t id);
+
+// Queue length, running requests, KV pool use and step counts of an engine now.
+//
+// Ownership: `*out_stats` is written on success. Threads: any thread.
+//
+// # Safety
+// `out_stats` must be valid for a write.
+enum tl_status tl_engine_get_stats(const struct tl_engine *engine, struct tl_engine_stats *out_stats);
+
+// Free an engine: its queued and running requests are cancelled (a thread waiting in
+// `tl_engine_next` gets `TL_ERR_CANCELLED`), its thread is awaited, and its buffers and KV
+// pool are released. NULL and an engine already freed are accepted (no-op).
+//
+// Ownership: takes back the handle from `tl_engine_new`; afterwards every call on it returns
+// `TL_ERR_CLOSED`. Threads: any thread, also while others submit or wait on it.
+void tl_engine_free(struct tl_engine *engine);
 
 #ifdef __cplusplus
 }  // extern "C"

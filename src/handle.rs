@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::engine::{PerDevice, Shared};
 use crate::generate::handles;
+use crate::shared::{PerDevice, Shared};
 
 pub(crate) type PrefixInner =
     PerDevice<handles::PrefixCache<CpuBackend>, handles::PrefixCache<CudaBackend>>;

@@ -24,10 +24,10 @@ macro_rules! log_line {
 
 mod alloc;
 pub mod backend;
+pub mod batch;
 pub mod convert;
 pub mod ctx_tier;
 mod device;
-mod engine;
 pub mod env;
 pub mod error;
 pub mod ffi;
@@ -37,6 +37,7 @@ mod handle;
 pub mod kv;
 pub mod model;
 mod session;
+mod shared;
 pub mod telemetry;
 mod text;
 pub mod tokenizer;
@@ -49,13 +50,14 @@ use std::time::Instant;
 use backend::cpu::CpuBackend;
 use backend::cuda::fp16_body;
 use backend::Backend;
-use engine::{CudaSession, Engine, Loaded, SessionState, Shared};
 use kv::KvLayout;
 use model::forward::Buffers;
 use model::weights::Weights;
+use shared::{CudaSession, Loaded, OnDevice, SessionState, Shared};
 
 /// Packaging: precompile the CUDA kernels for an architecture into a folder (`tinyloop kernels`).
 pub use backend::cuda::kernels::ship as ship_kernels;
+pub use batch::{Engine, EngineOptions, EngineStats, Event, Finish, RequestStats, Submitted};
 pub use ctx_tier::{CtxTier, CtxTierStats, Tier};
 pub use device::Device;
 pub use error::{Error, Result};
@@ -234,7 +236,7 @@ impl Model {
             None => fp16_body::from_vars(env::Vars::process())?,
         };
         let (mut kernels, mut kernel_ms) = (None, 0.0);
-        let (engine, device_name, weight_bytes) = match choice {
+        let (on_device, device_name, weight_bytes) = match choice {
             device::Selected::Cpu { note } => {
                 notes.extend(note);
                 if fp16_body {
@@ -244,7 +246,7 @@ impl Model {
                 let weights = Weights::load(&backend, &file, options.max_seq_len)?;
                 let bytes = weights.live_bytes();
                 (
-                    Engine::Cpu(Loaded { backend, weights }),
+                    OnDevice::Cpu(Loaded { backend, weights }),
                     backend.describe(),
                     bytes,
                 )
@@ -274,7 +276,7 @@ impl Model {
                 (kernels, kernel_ms) = (Some(note.to_string()), ms);
                 let bytes = weights.live_bytes();
                 let name = backend.describe();
-                (Engine::Cuda(Loaded { backend, weights }), name, bytes)
+                (OnDevice::Cuda(Loaded { backend, weights }), name, bytes)
             }
         };
         let info = ModelInfo {
@@ -301,7 +303,7 @@ impl Model {
         }
         Ok(Model {
             shared: Arc::new(Shared {
-                engine,
+                on_device,
                 options: options.clone(),
                 kv_layout,
                 beta_env,
@@ -351,8 +353,8 @@ impl Model {
             opts.max_seq_len
         };
         let layout = self.shared.kv_layout.clone();
-        let state = match &self.shared.engine {
-            Engine::Cpu(l) => {
+        let state = match &self.shared.on_device {
+            OnDevice::Cpu(l) => {
                 // A new session starts at the SHORT tier: it needs the loaded loop body.
                 let (body, _) = l.weights.body.acquire(&l.backend, Tier::Short)?;
                 SessionState::Cpu(Buffers::new(
@@ -364,7 +366,7 @@ impl Model {
                     opts.state_init,
                 )?)
             }
-            Engine::Cuda(l) => {
+            OnDevice::Cuda(l) => {
                 let config = &l.weights.config;
                 let backend = l.backend.session(config)?;
                 let (body, _) = l.weights.body.acquire(&backend, Tier::Short)?;

@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::ctx_tier::{CtxTier, CtxTierStats};
-use crate::engine::{with_backend, with_handle, Engine, PerDevice, SessionState, Shared};
 use crate::error::{Error, Result};
 use crate::format::DType;
 use crate::generate::exit::{Exit, ExitPolicy};
@@ -17,6 +16,7 @@ use crate::generate::{self, handles, GenerateRequest, GenerateStats};
 use crate::handle::{PrefixCache, ResumeHandle};
 use crate::handle::{PrefixInner, ResumeInner};
 use crate::model::architecture::LoopInput;
+use crate::shared::{with_backend, with_handle, OnDevice, PerDevice, SessionState, Shared};
 use crate::telemetry::beta_monitor;
 use crate::{GenerateParams, KvMode, Model, ModelConfig};
 
@@ -131,7 +131,7 @@ impl Session {
             Start::Prefix(cache) => cache.len(),
             _ => 0,
         };
-        let req = self.request(prompt, params, prefix)?;
+        let req = self.shared.request(prompt, params, prefix)?;
         if let Start::Speculative(spec) = &start {
             spec.validate(req.loops)?;
         }
@@ -173,7 +173,7 @@ impl Session {
         loops: Option<usize>,
     ) -> Result<PrefixCache> {
         self.start_call(None)?;
-        let loops = self.check_tokens(prefix, loops)?;
+        let loops = self.shared.check_tokens(prefix, loops)?;
         self.check_room(prefix.len(), "a prefix", "a prompt")?;
         let cancel = self.cancel.clone();
         let inner: PrefixInner = with_backend!(self, |b, w, buf| handles::PrefixCache::build(
@@ -227,7 +227,7 @@ impl Session {
     ) -> Result<Vec<u32>> {
         self.start_call(self.generation_tier(params))?;
         self.check_model(&handle.shared, "resume handle")?;
-        let req = self.request(handle.prompt(), params, 0)?;
+        let req = self.shared.request(handle.prompt(), params, 0)?;
         if req.exit.is_some() {
             return Err(Error::invalid(
                 "an exit rule applies to generate and stream calls from a prompt, not to resume \
@@ -260,7 +260,7 @@ impl Session {
         exit: Exit,
     ) -> Result<(Vec<f32>, Vec<u32>)> {
         self.start_call(None)?;
-        let loops = self.check_tokens(tokens, loops)?;
+        let loops = self.shared.check_tokens(tokens, loops)?;
         if !(1..=tokens.len()).contains(&prompt_len) {
             return Err(Error::invalid(format!(
                 "prompt_len {prompt_len} must be in 1..={} (the tokens scored)",
@@ -322,7 +322,7 @@ impl Session {
         if tokens.len() < 2 {
             return Err(Error::invalid("logprobs needs at least 2 tokens"));
         }
-        let loops = self.check_tokens(tokens, loops)?;
+        let loops = self.shared.check_tokens(tokens, loops)?;
         self.start_call(ctx_tier.cloned())?;
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::logprobs_chunked(
@@ -342,7 +342,7 @@ impl Session {
             return Err(Error::invalid("logprobs needs at least 2 tokens"));
         }
         self.start_call(None)?;
-        let loops = self.check_tokens(tokens, loops)?;
+        let loops = self.shared.check_tokens(tokens, loops)?;
         let cancel = self.cancel.clone();
         let result = with_backend!(self, |b, w, buf| generate::logprobs_decode(
             b, w, buf, tokens, loops, &cancel
@@ -449,9 +449,9 @@ impl Session {
         self.cancel.store(false, Ordering::Release);
         if let Some(policy) = &ctx_tier {
             policy.validate()?;
-            let dtype = match &self.shared.engine {
-                Engine::Cpu(l) => l.weights.body.loaded_dtype(),
-                Engine::Cuda(l) => l.weights.body.loaded_dtype(),
+            let dtype = match &self.shared.on_device {
+                OnDevice::Cpu(l) => l.weights.body.loaded_dtype(),
+                OnDevice::Cuda(l) => l.weights.body.loaded_dtype(),
             };
             if dtype != Some(DType::Int4) {
                 let found = dtype.map_or("of mixed encodings", |d| d.name());
@@ -495,80 +495,6 @@ impl Session {
         Ok(())
     }
 
-    /// Validate a generation call after `prefix` cached tokens and resolve its request. Any
-    /// `max_tokens` ≥ 1 is accepted: generation also stops when the sequence reaches
-    /// `max_seq_len`, so the request asks for at most the tokens that fit.
-    fn request(
-        &self,
-        prompt: &[u32],
-        params: &GenerateParams,
-        prefix: usize,
-    ) -> Result<GenerateRequest> {
-        let loops = self.check_tokens(prompt, params.loops)?;
-        params.sampling.validate()?;
-        if params.max_tokens == 0 {
-            return Err(Error::invalid("max_tokens must be >= 1"));
-        }
-        let max_seq = self.shared.options.max_seq_len;
-        // Both terms are at most max_seq (a prefix cache is shorter, check_tokens bounds the
-        // prompt), so the sum cannot overflow.
-        let room = max_seq.saturating_sub(prefix + prompt.len());
-        if room == 0 {
-            let cached = if prefix > 0 {
-                format!("a prefix of {prefix} tokens + ")
-            } else {
-                String::new()
-            };
-            return Err(Error::invalid(format!(
-                "{cached}prompt of {} tokens leaves no room to generate in max_seq_len {max_seq}",
-                prompt.len(),
-            )));
-        }
-        for &t in &params.stop_tokens {
-            self.check_token(t, "stop token")?;
-        }
-        Ok(GenerateRequest {
-            max_tokens: params.max_tokens.min(room),
-            loops,
-            sampling: params.sampling,
-            stop_tokens: params.stop_tokens.clone(),
-            monitor: beta_monitor::resolve(
-                params.beta_monitor,
-                &self.shared.beta_env,
-                self.shared.options.log,
-            )?,
-            exit: params.exit.map(|e| e.resolve(self.config())).transpose()?,
-        })
-    }
-
-    fn check_token(&self, token: u32, what: &str) -> Result<()> {
-        let vocab = self.config().vocab_size;
-        if token as usize >= vocab {
-            return Err(Error::invalid(format!(
-                "{what} {token} is out of range for vocab_size {vocab}"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Validate a token sequence and resolve the loop count.
-    fn check_tokens(&self, tokens: &[u32], loops: Option<usize>) -> Result<usize> {
-        if tokens.is_empty() {
-            return Err(Error::invalid("empty token sequence"));
-        }
-        let max_seq = self.shared.options.max_seq_len;
-        if tokens.len() > max_seq {
-            return Err(Error::invalid(format!(
-                "{} tokens exceed max_seq_len {max_seq}",
-                tokens.len()
-            )));
-        }
-        for (i, &t) in tokens.iter().enumerate() {
-            self.check_token(t, &format!("token {i}:"))?;
-        }
-        self.resolve_loops(loops)
-    }
-
     /// Refuse `what` (a prefix, a prompt) of `len` tokens when it fills max_seq_len: a handle
     /// kept for later generation needs a position left for `next`.
     fn check_room(&self, len: usize, what: &str, next: &str) -> Result<()> {
@@ -581,21 +507,9 @@ impl Session {
         Ok(())
     }
 
-    /// The loop count of a call: `loops`, or the model's default; in 1..=max_loops.
-    pub(crate) fn resolve_loops(&self, loops: Option<usize>) -> Result<usize> {
-        let loops = loops.unwrap_or(self.config().default_loops);
-        let max_loops = self.shared.options.max_loops;
-        if loops == 0 || loops > max_loops {
-            return Err(Error::invalid(format!(
-                "loops must be in 1..={max_loops}, got {loops}"
-            )));
-        }
-        Ok(loops)
-    }
-
-    /// [`Session::check_tokens`] for calls that run `tokens` as one step.
+    /// [`Shared::check_tokens`] for calls that run `tokens` as one step.
     fn check_score(&self, tokens: &[u32], loops: Option<usize>) -> Result<usize> {
-        let loops = self.check_tokens(tokens, loops)?;
+        let loops = self.shared.check_tokens(tokens, loops)?;
         let chunk = self.shared.options.prefill_chunk;
         if chunk > 0 && tokens.len() > chunk {
             return Err(Error::invalid(format!(
@@ -623,5 +537,90 @@ impl Drop for Session {
         self.shared
             .session_bytes
             .fetch_sub(self.accounted_bytes, Ordering::Relaxed);
+    }
+}
+
+/// The checks every call of a model makes, whichever session or engine runs it.
+impl Shared {
+    /// Validate a generation call after `prefix` cached tokens and resolve its request. Any
+    /// `max_tokens` ≥ 1 is accepted: generation also stops when the sequence reaches
+    /// `max_seq_len`, so the request asks for at most the tokens that fit.
+    pub(crate) fn request(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        prefix: usize,
+    ) -> Result<GenerateRequest> {
+        let loops = self.check_tokens(prompt, params.loops)?;
+        params.sampling.validate()?;
+        if params.max_tokens == 0 {
+            return Err(Error::invalid("max_tokens must be >= 1"));
+        }
+        let max_seq = self.options.max_seq_len;
+        // Both terms are at most max_seq (a prefix cache is shorter, check_tokens bounds the
+        // prompt), so the sum cannot overflow.
+        let room = max_seq.saturating_sub(prefix + prompt.len());
+        if room == 0 {
+            let cached = if prefix > 0 {
+                format!("a prefix of {prefix} tokens + ")
+            } else {
+                String::new()
+            };
+            return Err(Error::invalid(format!(
+                "{cached}prompt of {} tokens leaves no room to generate in max_seq_len {max_seq}",
+                prompt.len(),
+            )));
+        }
+        for &t in &params.stop_tokens {
+            self.check_token(t, "stop token")?;
+        }
+        Ok(GenerateRequest {
+            max_tokens: params.max_tokens.min(room),
+            loops,
+            sampling: params.sampling,
+            stop_tokens: params.stop_tokens.clone(),
+            monitor: beta_monitor::resolve(params.beta_monitor, &self.beta_env, self.options.log)?,
+            exit: params.exit.map(|e| e.resolve(self.config())).transpose()?,
+        })
+    }
+
+    pub(crate) fn check_token(&self, token: u32, what: &str) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        if token as usize >= vocab {
+            return Err(Error::invalid(format!(
+                "{what} {token} is out of range for vocab_size {vocab}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validate a token sequence and resolve the loop count.
+    pub(crate) fn check_tokens(&self, tokens: &[u32], loops: Option<usize>) -> Result<usize> {
+        if tokens.is_empty() {
+            return Err(Error::invalid("empty token sequence"));
+        }
+        let max_seq = self.options.max_seq_len;
+        if tokens.len() > max_seq {
+            return Err(Error::invalid(format!(
+                "{} tokens exceed max_seq_len {max_seq}",
+                tokens.len()
+            )));
+        }
+        for (i, &t) in tokens.iter().enumerate() {
+            self.check_token(t, &format!("token {i}:"))?;
+        }
+        self.resolve_loops(loops)
+    }
+
+    /// The loop count of a call: `loops`, or the model's default; in 1..=max_loops.
+    pub(crate) fn resolve_loops(&self, loops: Option<usize>) -> Result<usize> {
+        let loops = loops.unwrap_or(self.config().default_loops);
+        let max_loops = self.options.max_loops;
+        if loops == 0 || loops > max_loops {
+            return Err(Error::invalid(format!(
+                "loops must be in 1..={max_loops}, got {loops}"
+            )));
+        }
+        Ok(loops)
     }
 }

@@ -1,5 +1,5 @@
-//! What a model, its sessions and its handles share: the engine (backend and weights on one
-//! device), the options and KV layout, the memory counter; and the per-device session state.
+//! What a model, its sessions and its handles share: the backend and weights on one device, the
+//! options and KV layout, the memory counter; and the per-device session state.
 
 use std::sync::atomic::AtomicUsize;
 
@@ -19,7 +19,7 @@ pub(crate) struct Loaded<B: Backend> {
     pub weights: Weights<B>,
 }
 
-pub(crate) enum Engine {
+pub(crate) enum OnDevice {
     Cpu(Loaded<CpuBackend>),
     Cuda(Loaded<CudaBackend>),
 }
@@ -38,7 +38,7 @@ pub(crate) struct CudaSession {
 
 /// What a model and all its sessions and handles share.
 pub(crate) struct Shared {
-    pub engine: Engine,
+    pub on_device: OnDevice,
     pub options: ModelOptions,
     /// The KV cache layout of every session (mode resolved, capacity max_seq_len).
     pub kv_layout: KvLayout,
@@ -56,17 +56,17 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub fn config(&self) -> &ModelConfig {
-        match &self.engine {
-            Engine::Cpu(l) => &l.weights.config,
-            Engine::Cuda(l) => &l.weights.config,
+        match &self.on_device {
+            OnDevice::Cpu(l) => &l.weights.config,
+            OnDevice::Cuda(l) => &l.weights.config,
         }
     }
 
     /// Device bytes of the weights now.
     pub fn weight_bytes(&self) -> usize {
-        match &self.engine {
-            Engine::Cpu(l) => l.weights.live_bytes(),
-            Engine::Cuda(l) => l.weights.live_bytes(),
+        match &self.on_device {
+            OnDevice::Cpu(l) => l.weights.live_bytes(),
+            OnDevice::Cuda(l) => l.weights.live_bytes(),
         }
     }
 }
@@ -74,12 +74,12 @@ impl Shared {
 /// Run `$body` with the backend, weights and buffers of a session, whatever the device.
 macro_rules! with_backend {
     ($session:expr, |$backend:ident, $weights:ident, $buffers:ident| $body:expr) => {
-        match (&$session.shared.engine, &mut $session.state) {
-            (Engine::Cpu(loaded), SessionState::Cpu($buffers)) => {
+        match (&$session.shared.on_device, &mut $session.state) {
+            (OnDevice::Cpu(loaded), SessionState::Cpu($buffers)) => {
                 let ($backend, $weights) = (&loaded.backend, &loaded.weights);
                 $body
             }
-            (Engine::Cuda(loaded), SessionState::Cuda(session)) => {
+            (OnDevice::Cuda(loaded), SessionState::Cuda(session)) => {
                 let ($backend, $weights, $buffers) =
                     (&session.backend, &loaded.weights, &mut session.buffers);
                 $body
@@ -93,12 +93,12 @@ macro_rules! with_backend {
 /// handle (`$held`: a [`crate::handle`] value's per-device contents), whatever the device.
 macro_rules! with_handle {
     ($session:expr, $held:expr, |$backend:ident, $weights:ident, $buffers:ident, $inner:ident| $body:expr) => {
-        match (&$session.shared.engine, &mut $session.state, $held) {
-            (Engine::Cpu(loaded), SessionState::Cpu($buffers), PerDevice::Cpu($inner)) => {
+        match (&$session.shared.on_device, &mut $session.state, $held) {
+            (OnDevice::Cpu(loaded), SessionState::Cpu($buffers), PerDevice::Cpu($inner)) => {
                 let ($backend, $weights) = (&loaded.backend, &loaded.weights);
                 $body
             }
-            (Engine::Cuda(loaded), SessionState::Cuda(session), PerDevice::Cuda($inner)) => {
+            (OnDevice::Cuda(loaded), SessionState::Cuda(session), PerDevice::Cuda($inner)) => {
                 let ($backend, $weights, $buffers) =
                     (&session.backend, &loaded.weights, &mut session.buffers);
                 $body

@@ -1,8 +1,8 @@
 //! The calls that take and give text: tokenizing, detokenizing, chat templates, and generation
 //! and scoring through the model's tokenizer ([`crate::tokenizer`]).
 
-use crate::engine::Shared;
 use crate::error::{Error, Result};
+use crate::shared::Shared;
 use crate::tokenizer::{ChatMessage, StopStrings, Tokenizer};
 use crate::{GenerateParams, Model, Session, Speculation};
 

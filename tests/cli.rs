@@ -178,7 +178,8 @@ fn bench_reports_every_field() {
     }
 }
 
-/// `--concurrency N` runs N sessions at once, --repeats generations each, and counts them all.
+/// `--concurrency N` runs N clients at once, --repeats generations each, on a session each or
+/// through one engine, and counts them all.
 #[test]
 fn bench_concurrency_reports_the_aggregate_and_latency_percentiles() {
     let args = [
@@ -190,47 +191,62 @@ fn bench_concurrency_reports_the_aggregate_and_latency_percentiles() {
         "4",
         "--repeats",
         "2",
+        "--json",
         "--concurrency",
         "3",
-        "--json",
     ];
-    let v: serde_json::Value = serde_json::from_str(&stdout(&tinyloop(&args))).unwrap();
-    let c = &v["concurrency"];
-    assert_eq!(
-        (c["sessions"].as_u64(), c["requests"].as_u64()),
-        (Some(3), Some(6))
-    );
-    assert_eq!(c["tokens"].as_u64(), Some(24));
-    let (tokens, wall) = (
-        c["tokens"].as_f64().unwrap(),
-        c["wall_ms"].as_f64().unwrap(),
-    );
-    let rate = c["aggregate_tokens_per_s"].as_f64().unwrap();
-    assert!((rate - tokens / wall * 1e3).abs() <= 1e-9 * rate, "{c}");
-    for key in ["ttft_ms", "itl_ms"] {
-        let p = |q: &str| c[key][q].as_f64().unwrap();
-        assert!(
-            0.0 < p("p50") && p("p50") <= p("p90") && p("p90") <= p("p99"),
-            "{key}: {c}"
+    for (via, extra) in [
+        ("sessions", &[][..]),
+        ("engine", &["--engine", "--max-step-rows", "8"][..]),
+    ] {
+        let all: Vec<&str> = args.iter().copied().chain(extra.iter().copied()).collect();
+        let v: serde_json::Value = serde_json::from_str(&stdout(&tinyloop(&all))).unwrap();
+        let c = &v["concurrency"];
+        assert_eq!(
+            (
+                c["clients"].as_u64(),
+                c["requests"].as_u64(),
+                c["via"].as_str()
+            ),
+            (Some(3), Some(6), Some(via))
         );
+        assert_eq!(c["tokens"].as_u64(), Some(24));
+        let (tokens, wall) = (
+            c["tokens"].as_f64().unwrap(),
+            c["wall_ms"].as_f64().unwrap(),
+        );
+        let rate = c["aggregate_tokens_per_s"].as_f64().unwrap();
+        assert!((rate - tokens / wall * 1e3).abs() <= 1e-9 * rate, "{c}");
+        for key in ["ttft_ms", "itl_ms"] {
+            let p = |q: &str| c[key][q].as_f64().unwrap();
+            assert!(
+                0.0 < p("p50") && p("p50") <= p("p90") && p("p90") <= p("p99"),
+                "{key}: {c}"
+            );
+        }
+        if via == "engine" {
+            assert_eq!(c["engine"]["max_step_rows"].as_u64(), Some(8));
+            assert!(c["engine"]["rows_per_step"].as_f64().unwrap() >= 1.0, "{c}");
+        }
     }
-    // Without the option there is no such report; with speculation it is refused.
-    let single: Vec<&str> = args[..args.len() - 3]
-        .iter()
-        .copied()
-        .chain(["--json"])
-        .collect();
-    let single = stdout(&tinyloop(&single));
+    // Without the option there is no such report; with speculation it is refused, and so is
+    // --engine without it.
+    let single = stdout(&tinyloop(&args[..args.len() - 2]));
     assert!(serde_json::from_str::<serde_json::Value>(&single).unwrap()["concurrency"].is_null());
-    let err = tinyloop(&[
-        &model(),
-        "bench",
-        "--concurrency",
-        "2",
-        "--draft-loops",
-        "1",
-    ]);
-    assert!(String::from_utf8_lossy(&err.stderr).contains("--concurrency"));
+    for bad in [
+        &[
+            &model(),
+            "bench",
+            "--concurrency",
+            "2",
+            "--draft-loops",
+            "1",
+        ][..],
+        &[&model(), "bench", "--engine"][..],
+    ] {
+        let err = tinyloop(bad);
+        assert!(String::from_utf8_lossy(&err.stderr).contains("--concurrency"));
+    }
 }
 
 /// Every bad input exits with status 1 and a single `error:` line, never a panic.

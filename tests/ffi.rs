@@ -1896,3 +1896,271 @@ fn resume_handles_after_free_and_close_are_closed() {
     assert_eq!(status, tl_status::TL_ERR_CLOSED);
     tl_resume_handle_free(handle);
 }
+
+/// An engine handle, freed on drop.
+struct EngineHandle(*mut tl_engine);
+
+// SAFETY: engines may be used from any thread.
+unsafe impl Send for EngineHandle {}
+// SAFETY: as above.
+unsafe impl Sync for EngineHandle {}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        tl_engine_free(self.0);
+    }
+}
+
+fn engine_params() -> tl_engine_params {
+    let mut p = std::mem::MaybeUninit::<tl_engine_params>::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_engine_default_params(p.as_mut_ptr()) },
+        tl_status::TL_OK
+    );
+    // SAFETY: initialized above.
+    let mut p = unsafe { p.assume_init() };
+    // Small steps: prompts are cut into chunks beside other requests' decode rows.
+    p.max_step_rows = 8;
+    p.page_size = 4;
+    p
+}
+
+fn new_engine(model: &Handle, p: &tl_engine_params) -> EngineHandle {
+    let mut engine = ptr::null_mut();
+    // SAFETY: valid handle, params and out-pointer.
+    let status = unsafe { tl_engine_new(model.0, p, &mut engine) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    EngineHandle(engine)
+}
+
+fn submit(engine: &EngineHandle, prompt: &[i32], p: &tl_generate_params) -> u64 {
+    let mut id = u64::MAX;
+    // SAFETY: valid pointers for the stated lengths.
+    let status = unsafe { tl_engine_submit(engine.0, prompt.as_ptr(), prompt.len(), p, &mut id) };
+    assert_eq!(status, tl_status::TL_OK, "{}", last_error());
+    id
+}
+
+fn next_event(engine: *const tl_engine, id: u64, timeout_ms: i32) -> (tl_status, tl_engine_event) {
+    let mut event = std::mem::MaybeUninit::<tl_engine_event>::zeroed();
+    // SAFETY: a valid out-pointer.
+    let status = unsafe { tl_engine_next(engine, id, timeout_ms, event.as_mut_ptr()) };
+    // SAFETY: zeroed, then written on success; every field is valid at zero.
+    (status, unsafe { event.assume_init() })
+}
+
+/// Every event of a request until it ends: its tokens, and its stats or its failure.
+fn drain(engine: &EngineHandle, id: u64) -> (Vec<i32>, Result<tl_request_stats, tl_status>) {
+    let mut tokens = Vec::new();
+    loop {
+        let (status, event) = next_event(engine.0, id, -1);
+        if status != tl_status::TL_OK {
+            return (tokens, Err(status));
+        }
+        match event.kind {
+            tl_event_kind::TL_EVENT_TOKEN => tokens.push(event.token),
+            tl_event_kind::TL_EVENT_DONE => return (tokens, Ok(event.stats)),
+            tl_event_kind::TL_EVENT_NONE => panic!("waiting without a timeout returned nothing"),
+        }
+    }
+}
+
+#[test]
+fn engine_requests_equal_tl_generate() {
+    let model = open(&model_file("tiny"), 256);
+    let engine = new_engine(&model, &engine_params());
+    let requests: Vec<(Vec<i32>, tl_generate_params)> = [(1, 3), (4, 11), (2, 20), (6, 7)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(loops, len))| {
+            let mut p = gen_params(6 + 2 * i as u32);
+            p.loops = loops;
+            ((0..len).map(|t| (t * 31 + i as i32) % 256).collect(), p)
+        })
+        .collect();
+    let ids: Vec<u64> = requests
+        .iter()
+        .map(|(t, p)| submit(&engine, t, p))
+        .collect();
+    assert_eq!(ids, [0, 1, 2, 3]);
+    for ((prompt, p), id) in requests.iter().zip(ids) {
+        let (tokens, stats) = drain(&engine, id);
+        let (status, alone) = generate(&model, prompt, p);
+        assert_eq!(status, tl_status::TL_OK);
+        assert_eq!(tokens, alone);
+        let stats = stats.unwrap();
+        assert_eq!(
+            (
+                stats.tokens as usize,
+                stats.prompt_tokens as usize,
+                stats.finish
+            ),
+            (tokens.len(), prompt.len(), tl_finish::TL_FINISH_LENGTH)
+        );
+        // The id is forgotten once its last event was taken.
+        let (status, _) = next_event(engine.0, id, 0);
+        assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains(&format!("no request {id} on this engine")),
+            "{}",
+            last_error()
+        );
+    }
+    let mut stats = tl_engine_stats::default();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { tl_engine_get_stats(engine.0, &mut stats) },
+        tl_status::TL_OK
+    );
+    assert_eq!((stats.running, stats.queued, stats.pages_used), (0, 0, 0));
+    assert!(stats.steps > 0 && stats.tokens == 6 + 8 + 10 + 12);
+}
+
+#[test]
+fn engine_cancel_and_free_end_requests_with_cancelled() {
+    let model = open(&model_file("tiny"), 256);
+    let engine = new_engine(&model, &engine_params());
+    let mut p = gen_params(200);
+    p.loops = 6;
+    let id = submit(&engine, &[1, 2, 3, 4, 5], &p);
+    let (status, first) = next_event(engine.0, id, -1);
+    assert_eq!(
+        (status, first.kind),
+        (tl_status::TL_OK, tl_event_kind::TL_EVENT_TOKEN)
+    );
+    assert_eq!(tl_engine_cancel(engine.0, id), tl_status::TL_OK);
+    let (_, end) = drain(&engine, id);
+    assert_eq!(end.unwrap_err(), tl_status::TL_ERR_CANCELLED);
+    assert_eq!(
+        tl_engine_cancel(engine.0, id),
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+    assert!(
+        last_error().contains("request 0 has already ended"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        tl_engine_cancel(engine.0, 77),
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+    assert!(last_error().contains("no request 77"), "{}", last_error());
+
+    // Freeing the engine while another thread waits on a request ends it as cancelled. The
+    // request waits in the queue behind a long one, so it has no event before the free.
+    let mut one_at_a_time = engine_params();
+    one_at_a_time.max_running = 1;
+    let engine = new_engine(&model, &one_at_a_time);
+    let running = submit(&engine, &[9, 8, 7], &p);
+    let queued = submit(&engine, &[3, 4], &p);
+    let handle = engine.0 as usize;
+    let waiter = std::thread::spawn(move || loop {
+        // BUSY while the main thread's poll below holds the queue; then it waits here.
+        let (status, _) = next_event(handle as *const tl_engine, queued, -1);
+        if status != tl_status::TL_ERR_BUSY {
+            return status;
+        }
+    });
+    // Once the waiter holds the request's queue, a second taker is refused: then it is waiting.
+    let refused = (0..10_000_000).find_map(|_| {
+        let (status, event) = next_event(engine.0, queued, 0);
+        assert!(status != tl_status::TL_OK || event.kind == tl_event_kind::TL_EVENT_NONE);
+        (status != tl_status::TL_OK).then_some(status)
+    });
+    assert_eq!(refused, Some(tl_status::TL_ERR_BUSY));
+    assert!(last_error().contains("another thread is taking the events of request 1"));
+    tl_engine_free(engine.0);
+    assert_eq!(waiter.join().unwrap(), tl_status::TL_ERR_CANCELLED);
+    let (status, _) = next_event(engine.0, running, 0);
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    let mut id = 0;
+    // SAFETY: valid pointers.
+    let status = unsafe { tl_engine_submit(engine.0, [1].as_ptr(), 1, &p, &mut id) };
+    assert_eq!(status, tl_status::TL_ERR_CLOSED);
+    assert!(
+        last_error().contains("tl_engine_submit called on a freed engine"),
+        "{}",
+        last_error()
+    );
+    tl_engine_free(engine.0); // twice: a no-op (and again when `engine` drops)
+    tl_engine_free(ptr::null_mut());
+}
+
+#[test]
+fn engine_bad_input_is_a_clear_error() {
+    let model = open(&model_file("tiny"), 256);
+    let mut out = ptr::null_mut();
+    let mut p = engine_params();
+    // SAFETY (each call): valid or deliberately NULL pointers, as the cases say.
+    let status = unsafe { tl_engine_new(ptr::null(), &p, &mut out) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("model is NULL"));
+    let status = unsafe { tl_engine_new(model.0, &p, ptr::null_mut()) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("out_engine is NULL"));
+    p.page_size = 0;
+    let status = unsafe { tl_engine_new(model.0, &p, &mut out) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("engine option page_size must be at least 1"),
+        "{}",
+        last_error()
+    );
+    p = engine_params();
+    p.struct_size = 8;
+    let status = unsafe { tl_engine_new(model.0, &p, &mut out) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("tl_engine_params.struct_size is 8"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        unsafe { tl_engine_default_params(ptr::null_mut()) },
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+
+    let engine = new_engine(&model, &engine_params());
+    let g = gen_params(4);
+    let mut id = 0;
+    let cases: [(&[i32], &str); 3] = [
+        (&[], "empty token sequence"),
+        (&[1, 256], "out of range for vocab_size 256"),
+        (&[-1], "-1"),
+    ];
+    for (prompt, expected) in cases {
+        let status =
+            unsafe { tl_engine_submit(engine.0, prompt.as_ptr(), prompt.len(), &g, &mut id) };
+        assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT, "{prompt:?}");
+        assert!(last_error().contains(expected), "{}", last_error());
+    }
+    let status = unsafe { tl_engine_submit(engine.0, [1].as_ptr(), 1, &g, ptr::null_mut()) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("out_id is NULL"));
+    let id = submit(&engine, &[1, 2], &g);
+    let (status, _) = next_event(engine.0, id, -2);
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("timeout_ms is -2"),
+        "{}",
+        last_error()
+    );
+    let status = unsafe { tl_engine_next(engine.0, id, 0, ptr::null_mut()) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    let (_, end) = drain(&engine, id);
+    assert!(end.is_ok());
+    let status = unsafe { tl_engine_get_stats(ptr::null(), &mut tl_engine_stats::default()) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("engine is NULL"));
+    // A model handle is not an engine handle.
+    assert_eq!(
+        tl_engine_cancel(model.0.cast(), 0),
+        tl_status::TL_ERR_INVALID_ARGUMENT
+    );
+    assert!(
+        last_error().contains("engine is a tl_model handle, not a tl_engine"),
+        "{}",
+        last_error()
+    );
+}

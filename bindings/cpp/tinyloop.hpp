@@ -874,6 +874,115 @@ inline Session Model::new_session() const {
     return Session(s);
 }
 
+/// How an engine is sized (docs/ABI.md "Engines"); starts from the library's defaults.
+struct EngineOptions {
+    uint32_t max_step_rows;   ///< rows one step runs at most (decode rows and prompt chunks)
+    uint32_t max_running;     ///< requests that run at once; more wait in the queue
+    uint32_t page_size;       ///< positions per KV page
+    uint32_t max_queued;      ///< requests waiting at most; submit beyond it throws TL_ERR_BUSY
+    uint64_t pool_positions;  ///< positions of the KV pool; 0: 8 × max_seq_len
+
+    EngineOptions() {
+        tl_engine_params p;
+        detail::check(tl_engine_default_params(&p));
+        max_step_rows = p.max_step_rows;
+        max_running = p.max_running;
+        page_size = p.page_size;
+        max_queued = p.max_queued;
+        pool_positions = p.pool_positions;
+    }
+};
+
+/// One event of a request (Engine::next): a token, its end (with what it did), or nothing yet.
+struct EngineEvent {
+    enum class Kind { None, Token, Done };
+    Kind kind = Kind::None;
+    int32_t token = -1;
+    tl_request_stats stats{};
+};
+
+/// Many concurrent requests over one model, batched at every step: each request's tokens are
+/// those Model::generate gives it alone. Move-only; ~Engine frees it (its queued and running
+/// requests end with TL_ERR_CANCELLED). Every method may be called from any thread; the events
+/// of different requests may be taken from different threads at once. CPU models only.
+class Engine {
+public:
+    explicit Engine(const Model& model, const EngineOptions& opts = EngineOptions()) {
+        tl_engine_params p;
+        detail::check(tl_engine_default_params(&p));
+        p.max_step_rows = opts.max_step_rows;
+        p.max_running = opts.max_running;
+        p.page_size = opts.page_size;
+        p.max_queued = opts.max_queued;
+        p.pool_positions = opts.pool_positions;
+        detail::check(tl_engine_new(model.get(), &p, &ptr_));
+    }
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+    Engine(Engine&& other) noexcept : ptr_(std::exchange(other.ptr_, nullptr)) {}
+    Engine& operator=(Engine&& other) noexcept {
+        if (this != &other) {
+            tl_engine_free(ptr_);
+            ptr_ = std::exchange(other.ptr_, nullptr);
+        }
+        return *this;
+    }
+    ~Engine() { tl_engine_free(ptr_); }
+
+    /// Queue a request (the options of Model::generate; no prefix cache, CTX-TIER, BETA-MON or
+    /// exit rule) and return its id.
+    uint64_t submit(Tokens prompt, const GenerateOptions& opts = {}) const {
+        tl_generate_params p = opts.to_c();
+        uint64_t id = 0;
+        detail::check(tl_engine_submit(ptr_, prompt.data(), prompt.size(), &p, &id));
+        return id;
+    }
+
+    /// The next event of request `id`, waiting up to `timeout_ms` (-1: until there is one).
+    /// A request that ended without finishing throws its error (TL_ERR_CANCELLED when it was
+    /// cancelled or the engine freed).
+    EngineEvent next(uint64_t id, int32_t timeout_ms = -1) const {
+        tl_engine_event e;
+        detail::check(tl_engine_next(ptr_, id, timeout_ms, &e));
+        EngineEvent out;
+        out.kind = e.kind == TL_EVENT_TOKEN  ? EngineEvent::Kind::Token
+                   : e.kind == TL_EVENT_DONE ? EngineEvent::Kind::Done
+                                             : EngineEvent::Kind::None;
+        out.token = e.token;
+        out.stats = e.stats;
+        return out;
+    }
+
+    /// Every remaining token of request `id`, once it has finished; `stats` (if given) receives
+    /// what it did.
+    std::vector<int32_t> wait(uint64_t id, tl_request_stats* stats = nullptr) const {
+        std::vector<int32_t> tokens;
+        for (;;) {
+            EngineEvent e = next(id);
+            if (e.kind == EngineEvent::Kind::Done) {
+                if (stats != nullptr) *stats = e.stats;
+                return tokens;
+            }
+            tokens.push_back(e.token);
+        }
+    }
+
+    /// Cancel request `id` (throws TL_ERR_INVALID_ARGUMENT once it has ended).
+    void cancel(uint64_t id) const { detail::check(tl_engine_cancel(ptr_, id)); }
+
+    /// The queue, running requests, KV pool use and step counts now.
+    tl_engine_stats stats() const {
+        tl_engine_stats s;
+        detail::check(tl_engine_get_stats(ptr_, &s));
+        return s;
+    }
+
+    tl_engine* get() const noexcept { return ptr_; }
+
+private:
+    tl_engine* ptr_ = nullptr;
+};
+
 }  // namespace tinyloop
 
 #endif  // TINYLOOP_HPP

@@ -77,6 +77,31 @@ pub struct StepInput<'a> {
     pub choice: Choice,
 }
 
+/// Where the rows of a step over a KV pool ([`crate::kv::pool`]) sit: each row is one position of
+/// its own sequence, whose entries live in the pool's pages.
+#[derive(Clone, Copy, Debug)]
+pub struct PooledRows<'a> {
+    /// Positions per page.
+    pub page_size: usize,
+    pub rows: &'a [PooledRow<'a>],
+}
+
+/// One row of a pooled step: its position in its sequence, and the sequence's page table (the
+/// entry of position t is at pool index `table[t / page_size] · page_size + t mod page_size`).
+#[derive(Clone, Copy, Debug)]
+pub struct PooledRow<'a> {
+    pub position: usize,
+    pub table: &'a [u32],
+}
+
+impl PooledRows<'_> {
+    /// The pool index of position `t` of row `r`'s sequence.
+    pub fn index(&self, r: usize, t: usize) -> usize {
+        let page = self.rows[r].table[t / self.page_size] as usize;
+        page * self.page_size + t % self.page_size
+    }
+}
+
 /// How the next token is chosen from a row of logits.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Choice {
@@ -198,6 +223,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Stage the token ids, start position and choice of the next step, and the KV cache's
     /// age-tier bounds for it.
     fn set_step(&self, step: &mut Self::Step, input: StepInput, tiers: TierBounds) -> Result<()>;
+
+    /// Stage where the rows of the step just staged by [`Backend::set_step`] live in a KV pool
+    /// (without this, row r is position `start_pos + r` of the cache's one sequence). Backends
+    /// that cannot address a pool refuse.
+    fn set_places(&self, _step: &mut Self::Step, _places: PooledRows) -> Result<()> {
+        Err(crate::error::Error::invalid(format!(
+            "{} does not run steps over a KV pool (continuous batching); use the CPU",
+            self.describe()
+        )))
+    }
 
     /// `out[r] = table[token_r]` for the staged tokens, as f32.
     fn embed(&self, table: &Self::Linear, step: &Self::Step, out: &mut Self::Float);

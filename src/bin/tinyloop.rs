@@ -19,9 +19,9 @@ use tinyloop::env;
 use tinyloop::model::flops::forward_flops;
 use tinyloop::model::synth;
 use tinyloop::{
-    BetaMonEnv, BetaMonitor, ChatMessage, CtxTier, CtxTierStats, Device, Error, GenerateParams,
-    GenerateStats, KvMode, Model, ModelOptions, Result, SamplingParams, Speculation, TextParams,
-    Tokenizer, DEFAULT_MAX_SEQ_LEN, MAX_DRAFT_LEN,
+    BetaMonEnv, BetaMonitor, ChatMessage, CtxTier, CtxTierStats, Device, EngineOptions, Error,
+    GenerateParams, GenerateStats, KvMode, Model, ModelOptions, Result, SamplingParams,
+    Speculation, TextParams, Tokenizer, DEFAULT_MAX_SEQ_LEN, MAX_DRAFT_LEN,
 };
 
 /// No upper bound on a whole-number option but its type's.
@@ -507,8 +507,9 @@ struct BenchArgs {
     /// Also time a score call (logits for every prompt position) over the prompt.
     #[arg(long)]
     score: bool,
-    /// Also run N generations at once, each on its own session and thread, --repeats times
-    /// each, and report their aggregate tokens/s and latency percentiles.
+    /// Also run N clients at once, each generating --repeats times on its own session and
+    /// thread (or through one engine, with --engine), and report their aggregate tokens/s and
+    /// latency percentiles.
     #[arg(
         long,
         value_name = "N",
@@ -516,6 +517,13 @@ struct BenchArgs {
         value_parser = whole::<usize>(1, 1024)
     )]
     concurrency: Option<usize>,
+    /// Serve the --concurrency clients through one engine (continuous batching) instead of a
+    /// session each.
+    #[arg(long, requires = "concurrency")]
+    engine: bool,
+    /// The engine's rows per step (decode rows and prompt chunks together).
+    #[arg(long, value_name = "N", requires = "engine", value_parser = whole::<usize>(1, 65536))]
+    max_step_rows: Option<usize>,
     #[command(flatten)]
     ctx_tier: CtxTierArgs,
 }
@@ -1581,7 +1589,26 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         None
     };
     let concurrency = match args.concurrency {
-        Some(n) => Some(concurrent::run(&model, &prompt, &params, n, args.repeats)?),
+        Some(n) => {
+            let via = if args.engine {
+                let defaults = EngineOptions::default();
+                concurrent::Via::Engine(EngineOptions {
+                    max_step_rows: args.max_step_rows.unwrap_or(defaults.max_step_rows),
+                    max_running: defaults.max_running.max(n),
+                    ..defaults
+                })
+            } else {
+                concurrent::Via::Sessions
+            };
+            Some(concurrent::run(
+                &model,
+                &prompt,
+                &params,
+                n,
+                args.repeats,
+                &via,
+            )?)
+        }
         None => None,
     };
     // Opening again in the same process: the driver, context and kernels are loaded already, as
@@ -1670,9 +1697,10 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         }
         if let Some(c) = &concurrency {
             println!(
-                "  concurrent      {} sessions: {:.1} tok/s aggregate, first token p50 {:.1} ms, \
-                 between tokens p50 {:.3} / p99 {:.3} ms",
-                c["sessions"],
+                "  concurrent      {} clients ({}): {:.1} tok/s aggregate, first token p50 {:.1} \
+                 ms, between tokens p50 {:.3} / p99 {:.3} ms",
+                c["clients"],
+                c["via"].as_str().unwrap_or(""),
                 c["aggregate_tokens_per_s"].as_f64().unwrap_or(0.0),
                 c["ttft_ms"]["p50"].as_f64().unwrap_or(0.0),
                 c["itl_ms"]["p50"].as_f64().unwrap_or(0.0),

@@ -1,7 +1,8 @@
 //! The handles given to C: serial numbers under a random key, resolved through a process-wide
 //! table of live objects, never addresses.
 //!
-//! A handle value is `MARK | kind | id` (kinds: model, session, prefix cache, resume handle).
+//! A handle value is `MARK | kind | id` (kinds: model, session, prefix cache, resume handle,
+//! engine).
 //! Serial numbers come from one counter and are never reused, so a handle that was closed stays
 //! closed for good: a later call is answered `TL_ERR_CLOSED` even when a new object of the same
 //! kind exists. The id is the serial number through a keyed permutation whose key each kind
@@ -29,8 +30,8 @@ use crate::error::Error;
 
 /// Set in every handle value.
 const MARK: usize = 1 << (usize::BITS - 1);
-/// The two bits below `MARK` hold the kind.
-const KIND_SHIFT: u32 = usize::BITS - 3;
+/// The three bits below `MARK` hold the kind.
+const KIND_SHIFT: u32 = usize::BITS - 4;
 /// The id part of a handle value.
 const ID_MASK: usize = (1 << KIND_SHIFT) - 1;
 
@@ -81,14 +82,16 @@ pub(crate) enum Kind {
     Session,
     PrefixCache,
     ResumeHandle,
+    Engine,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [
+    const ALL: [Kind; 5] = [
         Kind::Model,
         Kind::Session,
         Kind::PrefixCache,
         Kind::ResumeHandle,
+        Kind::Engine,
     ];
 
     fn code(self) -> usize {
@@ -97,6 +100,7 @@ impl Kind {
             Kind::Session => 1,
             Kind::PrefixCache => 2,
             Kind::ResumeHandle => 3,
+            Kind::Engine => 4,
         }
     }
 
@@ -106,7 +110,7 @@ impl Kind {
 
     /// This kind's key for the process: two random id-wide words, drawn at first use.
     fn key(self) -> [usize; 2] {
-        static KEYS: OnceLock<[[usize; 2]; 4]> = OnceLock::new();
+        static KEYS: OnceLock<[[usize; 2]; 5]> = OnceLock::new();
         let keys = KEYS.get_or_init(|| {
             // Seeded from the operating system's random source.
             let random = RandomState::new();
@@ -123,7 +127,7 @@ impl Kind {
 
     /// The serial number of a handle value of this kind. A value this kind never issued decodes
     /// to a scattered number, one that was issued with a chance of (serial numbers issued) /
-    /// 2^61 on 64-bit targets.
+    /// 2^60 on 64-bit targets.
     fn decode(self, value: usize) -> usize {
         let [before, after] = self.key();
         unmix((value & ID_MASK) ^ after) ^ before
@@ -136,6 +140,7 @@ impl Kind {
             Kind::Session => "session",
             Kind::PrefixCache => "prefix_cache",
             Kind::ResumeHandle => "resume_handle",
+            Kind::Engine => "engine",
         }
     }
 
@@ -145,6 +150,7 @@ impl Kind {
             Kind::Session => "tl_session",
             Kind::PrefixCache => "tl_prefix_cache",
             Kind::ResumeHandle => "tl_resume_handle",
+            Kind::Engine => "tl_engine",
         }
     }
 
@@ -163,6 +169,9 @@ impl Kind {
                 "{func} called with a resume handle that was freed or whose model was closed; \
                  build a new one with tl_resume_handle_new"
             ),
+            Kind::Engine => {
+                format!("{func} called on a freed engine; create a new one with tl_engine_new")
+            }
         };
         Failure::new(tl_status::TL_ERR_CLOSED, message)
     }
@@ -204,7 +213,7 @@ impl<T, C> Table<T, C> {
     pub fn insert_cyclic(&self, make: impl FnOnce(&Weak<T>) -> T) -> FfiResult<*mut C> {
         let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
         if serial > ID_MASK {
-            // Only reachable where usize is 32 bits: 2^29 handles were issued.
+            // Only reachable where usize is 32 bits: 2^28 handles were issued.
             return Err(Failure::new(
                 tl_status::TL_ERR_OUT_OF_MEMORY,
                 "no handle ids left in this process",
@@ -346,7 +355,7 @@ mod tests {
 
     /// Ids are scattered, and a value next to a handle (± 1, a flipped bit, the kind bits of
     /// another kind) is not a handle, whether that handle is live or closed. Each check fails
-    /// by chance with a probability of about 2^-40 (two random 61-bit ids within 2^20 of each
+    /// by chance with a probability of about 2^-40 (two random 60-bit ids within 2^20 of each
     /// other) or below (a scattered value hitting one of the few issued serial numbers).
     #[cfg(target_pointer_width = "64")]
     #[test]

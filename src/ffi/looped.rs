@@ -82,7 +82,7 @@ unsafe fn score_logit_lens(
         target.run(func, |s| {
             // SAFETY: the caller's contract, forwarded.
             let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
-            let loops = s.resolve_loops(loops_arg(loops)?)?;
+            let loops = s.shared.resolve_loops(loops_arg(loops)?)?;
             // loops <= max_loops <= u32::MAX and vocab_size <= 2^24: no overflow.
             let required = loops * s.config().vocab_size;
             // SAFETY: as above.
@@ -161,7 +161,7 @@ unsafe fn score_trajectory(
         target.run(func, |s| {
             // SAFETY: the caller's contract, forwarded.
             let tokens = unsafe { prompt_arg(tokens, n_tokens) }?;
-            let loops = s.resolve_loops(loops_arg(loops)?)?;
+            let loops = s.shared.resolve_loops(loops_arg(loops)?)?;
             // SAFETY: as above.
             unsafe {
                 fill(out, cap, len, loops, || {

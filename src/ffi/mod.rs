@@ -381,6 +381,8 @@ mod ctx_tier;
 pub use ctx_tier::*;
 mod text;
 pub use text::*;
+mod engine;
+pub use engine::*;
 
 #[cfg(test)]
 mod tests {

@@ -366,11 +366,11 @@ fn initial_states<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::SessionState;
     use crate::generate::exit::{Exit, ExitPolicy};
     use crate::kv::{Application, KvCache, ALL_DEPTHS};
     use crate::model::layout::Stage;
     use crate::model::synth::{preset, random_model};
+    use crate::shared::SessionState;
     use crate::{Device, GenerateParams, Model, ModelOptions, Session};
 
     fn run(criterion: Criterion, threshold: f64, steps: &[&[f32]], dim: usize) -> Vec<(f64, bool)> {

@@ -12,6 +12,7 @@
 
 pub mod codec;
 mod layout;
+pub mod pool;
 
 use std::ffi::OsString;
 use std::fmt;

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{Backend, Chosen, NormLayer, Residual, StepInput};
+use crate::backend::{Backend, Choice, Chosen, NormLayer, PooledRows, Residual, StepInput};
 use crate::ctx_tier::{Tier, TierTracker};
 use crate::error::{Error, Result};
 use crate::kv::{Application, KvCache, KvLayout, KvSlot};
@@ -326,6 +326,53 @@ pub fn stage<B: Backend>(
     backend.set_step(&mut buf.step, input, buf.kv.bounds)
 }
 
+/// Stage a step over a KV pool ([`crate::kv::pool`]): row r is `tokens[r]` at position
+/// `places.rows[r].position` of its own sequence, and runs `loops[r]` loop iterations (rows
+/// deepest first). The cache is the pool's; the caller keeps every row's page table large
+/// enough and its positions below the model's `max_seq_len`. Then [`run_rows`] with
+/// [`Rows::Deepest`].
+pub fn stage_pooled<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    places: PooledRows,
+    loops: &[usize],
+) -> Result<()> {
+    let rows = tokens.len();
+    if rows == 0 || rows > buf.max_rows || places.rows.len() != rows || loops.len() != rows {
+        return Err(Error::invalid(format!(
+            "pooled step of {rows} rows with {} places and {} loop counts (buffers hold \
+             1..={} rows)",
+            places.rows.len(),
+            loops.len(),
+            buf.max_rows
+        )));
+    }
+    if !loops.is_sorted_by(|a, b| a >= b) || loops[rows - 1] == 0 {
+        return Err(Error::invalid(
+            "pooled step rows must come deepest first, each with at least one loop iteration",
+        ));
+    }
+    buf.reserve_kv(backend, buf.kv.layout.slots(loops[0]))?;
+    let arch = &w.config.architecture;
+    if arch.loop_state == LoopState::Random {
+        let dim = w.config.dim;
+        let mut states = crate::alloc::zeroed::<f32>(rows * dim, "initial loop states")?;
+        for (row, state) in places.rows.iter().zip(states.chunks_exact_mut(dim)) {
+            buf.state_init.fill(arch, row.position, 1, dim, state);
+        }
+        backend.write_float(&mut buf.initial_state, &states)?;
+    }
+    let input = StepInput {
+        tokens,
+        start_pos: 0,
+        choice: Choice::Greedy,
+    };
+    backend.set_step(&mut buf.step, input, buf.kv.bounds)?;
+    backend.set_places(&mut buf.step, places)
+}
+
 /// Make the session's loop body the one of `tier`: take it from the model (made if no session
 /// holds it), let go of the old one, and free what no session needs any more. Captured graphs
 /// point at the old weights, so they are dropped.
@@ -367,54 +414,101 @@ pub fn run<B: Backend>(
     span: Span,
     cancel: Option<&AtomicBool>,
 ) -> Result<()> {
+    run_rows(backend, w, buf, Rows::All(rows), span, cancel)
+}
+
+/// The staged rows a span runs: all of them, or rows of different loop counts, deepest first
+/// (`loops[r]` for row r, non-increasing), of which loop iteration i runs those that reach i.
+/// The pre and post blocks run every row either way.
+#[derive(Clone, Copy, Debug)]
+pub enum Rows<'a> {
+    All(usize),
+    Deepest(&'a [usize]),
+}
+
+impl Rows<'_> {
+    fn all(self) -> usize {
+        match self {
+            Rows::All(rows) => rows,
+            Rows::Deepest(loops) => loops.len(),
+        }
+    }
+
+    /// The rows of loop iteration `iteration`: a prefix of the step's rows.
+    fn reaching(self, iteration: usize) -> usize {
+        match self {
+            Rows::All(rows) => rows,
+            Rows::Deepest(loops) => loops.partition_point(|&l| l >= iteration),
+        }
+    }
+}
+
+/// [`run`] over [`Rows`].
+pub fn run_rows<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    rows: Rows,
+    span: Span,
+    cancel: Option<&AtomicBool>,
+) -> Result<()> {
     let config = &w.config;
     let arch = &config.architecture;
     let body = buf.body.clone();
     let mut pending = None;
-    let apply = |buf: &mut Buffers<B>, app: Application, pending: &mut _| {
+    let apply = |buf: &mut Buffers<B>, rows: usize, app: Application, pending: &mut _| {
         if cancel.is_some_and(|c| c.load(Ordering::Acquire)) {
             return Err(Error::Cancelled);
         }
         apply_block(backend, w, &body, buf, rows, app, pending);
         Ok(())
     };
+    let all = rows.all();
     if span.start {
-        embed(backend, w, buf, rows);
+        embed(backend, w, buf, all);
         for app in stage_blocks(Stage::Pre, config.n_pre_blocks) {
-            apply(buf, app, &mut pending)?;
+            apply(buf, all, app, &mut pending)?;
         }
     }
     for iteration in span.first..=span.last {
+        let n = rows.reaching(iteration);
+        if n == 0 {
+            break;
+        }
         if iteration == 1 {
-            settle(backend, config, buf, rows, pending.take());
-            begin_loop(backend, w, buf, rows);
+            settle(backend, config, buf, all, pending.take());
+            begin_loop(backend, w, buf, all);
         }
         if let Some(adapter) = &w.adapter {
             // x = adapter.state · x + adapter.input · e, the second term computed at the start.
-            settle(backend, config, buf, rows, pending.take());
+            settle(backend, config, buf, n, pending.take());
             let d = config.dim;
-            backend.to_half(&buf.x, rows * d, &mut buf.h);
-            backend.copy_rows(&buf.loop_input, 0, &mut buf.x, 0, rows, d);
-            backend.linear(&buf.h, 0, rows, &adapter.state, &mut buf.x, true);
+            backend.to_half(&buf.x, n * d, &mut buf.h);
+            backend.copy_rows(&buf.loop_input, 0, &mut buf.x, 0, n, d);
+            backend.linear(&buf.h, 0, n, &adapter.state, &mut buf.x, true);
         }
         for app in iteration_blocks(config.n_loop_blocks, iteration) {
-            apply(buf, app, &mut pending)?;
+            apply(buf, n, app, &mut pending)?;
         }
         if arch.loop_norm == LoopNorm::EachIteration {
-            settle(backend, config, buf, rows, pending.take());
-            norm_state(backend, w, buf, rows);
+            settle(backend, config, buf, n, pending.take());
+            norm_state(backend, w, buf, n);
+        }
+        if rows.reaching(iteration + 1) < n {
+            // Rows that stop here leave with their last sublayer's output added.
+            settle(backend, config, buf, n, pending.take());
         }
     }
     if span.post {
         if arch.loop_norm == LoopNorm::AfterLoop {
-            settle(backend, config, buf, rows, pending.take());
-            norm_state(backend, w, buf, rows);
+            settle(backend, config, buf, all, pending.take());
+            norm_state(backend, w, buf, all);
         }
         for app in stage_blocks(Stage::Post, config.n_post_blocks) {
-            apply(buf, app, &mut pending)?;
+            apply(buf, all, app, &mut pending)?;
         }
     }
-    settle(backend, config, buf, rows, pending.take());
+    settle(backend, config, buf, all, pending.take());
     Ok(())
 }
 

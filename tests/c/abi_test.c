@@ -1600,6 +1600,76 @@ static void test_text(void) {
     tl_model_free(m);
 }
 
+/* The engine (docs/ABI.md "Engines"): requests equal tl_generate, cancellation, freeing with
+ * requests in flight, and the engine rows of the bad-input table. */
+static void test_engine(void) {
+    tl_model *m = open_model(256);
+    tl_engine_params ep;
+    EXPECT(tl_engine_default_params(&ep), TL_OK, "tl_engine_default_params");
+    EXPECT(tl_engine_default_params(NULL), TL_ERR_INVALID_ARGUMENT, "tl_engine_default_params(NULL)");
+    ep.max_step_rows = 8;
+    ep.page_size = 4;
+    tl_engine *e = NULL;
+    EXPECT(tl_engine_new(NULL, &ep, &e), TL_ERR_INVALID_ARGUMENT, "tl_engine_new model NULL");
+    EXPECT(tl_engine_new(m, &ep, NULL), TL_ERR_INVALID_ARGUMENT, "tl_engine_new out_engine NULL");
+    ep.max_running = 0;
+    EXPECT(tl_engine_new(m, &ep, &e), TL_ERR_INVALID_ARGUMENT, "tl_engine_new max_running 0");
+    ep.max_running = 64;
+    EXPECT(tl_engine_new(m, &ep, &e), TL_OK, "tl_engine_new");
+
+    uint64_t ids[3];
+    tl_generate_params gp[3];
+    for (int i = 0; i < 3; i++) {
+        gp[i] = gen_params(5 + 3 * i);
+        gp[i].loops = 1 + 2 * i;
+        EXPECT(tl_engine_submit(e, PROMPT, N_PROMPT - i, &gp[i], &ids[i]), TL_OK, "tl_engine_submit");
+    }
+    for (int i = 0; i < 3; i++) {
+        int32_t got[16], want[16];
+        size_t n = 0, want_len = 0;
+        tl_engine_event ev;
+        tl_status st;
+        while ((st = tl_engine_next(e, ids[i], -1, &ev)) == TL_OK && ev.kind == TL_EVENT_TOKEN && n < 16)
+            got[n++] = ev.token;
+        EXPECT(st, TL_OK, "tl_engine_next until TL_EVENT_DONE");
+        CHECK(ev.kind == TL_EVENT_DONE && ev.stats.tokens == n && ev.stats.finish == TL_FINISH_LENGTH,
+              "  ... the request finished with its tokens counted");
+        EXPECT(tl_generate(m, PROMPT, N_PROMPT - i, &gp[i], want, 16, &want_len), TL_OK, "tl_generate alone");
+        CHECK(want_len == n && memcmp(got, want, n * sizeof got[0]) == 0,
+              "  ... the engine's tokens equal tl_generate's");
+        EXPECT(tl_engine_next(e, ids[i], 0, &ev), TL_ERR_INVALID_ARGUMENT, "tl_engine_next after its end");
+    }
+    int32_t empty = 0;
+    uint64_t id = 0;
+    EXPECT(tl_engine_submit(e, &empty, 0, NULL, &id), TL_ERR_INVALID_ARGUMENT, "tl_engine_submit empty prompt");
+    EXPECT(tl_engine_submit(e, PROMPT, N_PROMPT, NULL, NULL), TL_ERR_INVALID_ARGUMENT, "tl_engine_submit out_id NULL");
+    tl_engine_event ev;
+    EXPECT(tl_engine_next(e, 12345, 0, &ev), TL_ERR_INVALID_ARGUMENT, "tl_engine_next unknown id");
+    EXPECT(tl_engine_cancel(e, 12345), TL_ERR_INVALID_ARGUMENT, "tl_engine_cancel unknown id");
+
+    tl_generate_params long_run = gen_params(200);
+    long_run.loops = 6;
+    EXPECT(tl_engine_submit(e, PROMPT, N_PROMPT, &long_run, &id), TL_OK, "tl_engine_submit a long request");
+    EXPECT(tl_engine_next(e, id, -1, &ev), TL_OK, "  ... its first token");
+    EXPECT(tl_engine_cancel(e, id), TL_OK, "tl_engine_cancel");
+    tl_status st;
+    while ((st = tl_engine_next(e, id, -1, &ev)) == TL_OK) {
+    }
+    EXPECT(st, TL_ERR_CANCELLED, "  ... the cancelled request ends with TL_ERR_CANCELLED");
+    tl_engine_stats es;
+    EXPECT(tl_engine_get_stats(e, &es), TL_OK, "tl_engine_get_stats");
+    CHECK(es.running == 0 && es.pages_used == 0 && es.steps > 0, "  ... nothing running, no page held");
+
+    EXPECT(tl_engine_submit(e, PROMPT, N_PROMPT, &long_run, &id), TL_OK, "tl_engine_submit before free");
+    tl_engine_free(e);
+    EXPECT(tl_engine_next(e, id, 0, &ev), TL_ERR_CLOSED, "tl_engine_next after tl_engine_free");
+    EXPECT(tl_engine_submit(e, PROMPT, N_PROMPT, NULL, &id), TL_ERR_CLOSED, "tl_engine_submit after tl_engine_free");
+    tl_engine_free(e);
+    tl_engine_free(NULL);
+    CHECK(1, "tl_engine_free twice and of NULL: no-ops");
+    tl_model_free(m);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s MODEL.tinyloop (byte vocabulary) [TEXT_MODEL.tinyloop]\n", argv[0]);
@@ -1622,6 +1692,7 @@ int main(int argc, char **argv) {
     test_concurrent_sessions();
     test_looped();
     test_text();
+    test_engine();
     printf("abi_test: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;
 }

@@ -35,6 +35,8 @@ from . import _lib as _c
 __all__ = [
     "Model",
     "Session",
+    "Engine",
+    "Request",
     "PrefixCache",
     "ResumeHandle",
     "CtxTier",
@@ -109,7 +111,7 @@ def _check(status: int, method: str, what: str = "model") -> None:
 
 
 def _closed(method: str, what: str) -> ClosedError:
-    cls = "Model" if what == "model" else "Session"
+    cls = what.capitalize()
     return ClosedError(
         f"{method}() called on a closed {what}; construct a new {cls}", _c.TL_ERR_CLOSED
     )
@@ -1320,6 +1322,174 @@ class ResumeHandle(_Bound):
     _noun = "resume handle"
     _free = _dll.tl_resume_handle_free
     _memory = _dll.tl_resume_handle_memory_mb
+
+
+class Request:
+    """A request submitted to an :class:`Engine`. Iterate it (``for token in request``, or
+    ``async for token in request`` from asyncio) for its tokens as they are generated; once
+    the iteration ends, :attr:`stats` says what it did. Iteration raises
+    :class:`CancelledError` when the request was cancelled (:meth:`cancel`, or the engine was
+    closed) and the failure that stopped it otherwise. One consumer at a time."""
+
+    def __init__(self, engine: "Engine", request_id: int):
+        self._engine = engine
+        #: The request's id in its engine.
+        self.id = request_id
+        #: After the last token: ``prompt_tokens``, ``tokens``, ``finish`` ("length" or
+        #: "stop"), ``queue_ms``, ``first_token_ms`` and ``total_ms``.
+        self.stats: Optional[Dict[str, Any]] = None
+
+    def _next(self) -> Optional[int]:
+        """The next token, or None once the request has finished (waits for the engine)."""
+        if self.stats is not None:
+            return None
+        if self._engine.closed:
+            raise CancelledError(
+                f"request {self.id} was cancelled: its engine was closed", _c.TL_ERR_CANCELLED
+            )
+        event = _c.EngineEvent()
+        self._engine._call("Request", "tl_engine_next", ctypes.c_uint64(self.id), -1,
+                           ctypes.byref(event))
+        if event.kind == _c.EVENT_TOKEN:
+            return int(event.token)
+        s = event.stats
+        self.stats = {
+            "prompt_tokens": s.prompt_tokens,
+            "tokens": s.tokens,
+            "finish": _c.FINISH_NAMES.get(s.finish, "unknown"),
+            "queue_ms": s.queue_ms,
+            "first_token_ms": s.first_token_ms,
+            "total_ms": s.total_ms,
+        }
+        return None
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            token = self._next()
+            if token is None:
+                return
+            yield token
+
+    async def __aiter__(self):
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        while True:
+            # The wait runs on a worker thread (without the GIL), not on the event loop.
+            token = await loop.run_in_executor(None, self._next)
+            if token is None:
+                return
+            yield token
+
+    def tokens(self) -> np.ndarray:
+        """Wait for every token; returns them as np.int32."""
+        return np.array(list(self), dtype=np.int32)
+
+    def cancel(self) -> None:
+        """Cancel the request: its iteration then raises :class:`CancelledError`. A request
+        that has ended raises ValueError."""
+        self._engine._call("cancel", "tl_engine_cancel", ctypes.c_uint64(self.id))
+
+
+class Engine:
+    """Many concurrent requests over one :class:`Model`, batched at every step (continuous
+    batching, docs/ABI.md "Engines"): each request's tokens are those ``Model.generate`` gives
+    it alone. :meth:`submit` may be called from any thread; the engine runs on a thread of its
+    own. CPU models only, KV modes fp16, int8 and delta.
+
+    :param model: the model; the engine keeps its weights alive until it is closed.
+    :param max_step_rows: rows one step runs at most (decode rows and prompt chunks together).
+    :param max_running: requests that run at once; more wait in the queue.
+    :param page_size: positions per KV page.
+    :param pool_positions: positions of the KV pool (rounded up to whole pages); 0: 8 ×
+        ``max_seq_len``.
+    :param max_queued: requests waiting at most; a submit beyond it raises :class:`BusyError`.
+    """
+
+    _what = "engine"
+
+    def __init__(
+        self,
+        model: Model,
+        max_step_rows: int = 256,
+        max_running: int = 64,
+        page_size: int = 16,
+        pool_positions: int = 0,
+        max_queued: int = 4096,
+    ):
+        self._h: Optional[_Handle] = None
+        params = _c.EngineParams()
+        _check(_dll.tl_engine_default_params(ctypes.byref(params)), "Engine")
+        params.max_step_rows = _int(max_step_rows, "max_step_rows", 0, _U32_MAX)
+        params.max_running = _int(max_running, "max_running", 0, _U32_MAX)
+        params.page_size = _int(page_size, "page_size", 0, _U32_MAX)
+        params.pool_positions = _int(pool_positions, "pool_positions", 0, 2**64 - 1)
+        params.max_queued = _int(max_queued, "max_queued", 0, _U32_MAX)
+        handle = ctypes.c_void_p()
+        model_handle = model._handle("Engine")
+        ptr = model_handle.acquire("Engine")
+        try:
+            _check(_dll.tl_engine_new(ptr, ctypes.byref(params), ctypes.byref(handle)), "Engine")
+        finally:
+            model_handle.release()
+        self._h = _Handle(handle.value, "engine", _dll.tl_engine_free, lambda ptr: None)
+
+    def _call(self, method: str, fn_name: str, *args) -> None:
+        if self._h is None:
+            raise _closed(method, self._what)
+        ptr = self._h.acquire(method)
+        try:
+            _check(getattr(_dll, fn_name)(ptr, *args), method, self._what)
+        finally:
+            self._h.release()
+
+    def submit(
+        self,
+        tokens: Tokens,
+        max_tokens: int = 128,
+        loops: Optional[int] = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Optional[Iterable[int]] = None,
+    ) -> Request:
+        """Queue a request with the arguments of :meth:`Model.generate` (token prompts; stop
+        tokens); returns it at once. Iterate the :class:`Request` for its tokens."""
+        call = _Call(tokens, max_tokens, loops, temperature, top_k, top_p, seed, stop)
+        call.check_tokens(tokens)
+        request_id = ctypes.c_uint64()
+        self._call("submit", "tl_engine_submit", *call.args(), ctypes.byref(request_id))
+        return Request(self, request_id.value)
+
+    def stats(self) -> Dict[str, int]:
+        """``queued``, ``running``, ``pool_pages``, ``pages_used``, ``page_size``, ``steps``,
+        ``rows`` and ``tokens`` now."""
+        out = _c.EngineStats()
+        self._call("stats", "tl_engine_get_stats", ctypes.byref(out))
+        return {name: int(getattr(out, name)) for name, _ in _c.EngineStats._fields_}
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None or self._h.closed
+
+    def close(self) -> None:
+        """Stop the engine: queued and running requests end with :class:`CancelledError`.
+        Idempotent."""
+        if self._h is not None:
+            self._h.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
 
 
 def load(path: Union[str, "os.PathLike[str]"], **kwargs: Any) -> Model:

@@ -185,6 +185,52 @@ class ChatMessage(ctypes.Structure):
     _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
 
 
+class EngineParams(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("max_step_rows", ctypes.c_uint32),
+        ("max_running", ctypes.c_uint32),
+        ("page_size", ctypes.c_uint32),
+        ("max_queued", ctypes.c_uint32),
+        ("pool_positions", ctypes.c_uint64),
+    ]
+
+
+class RequestStats(ctypes.Structure):
+    _fields_ = [
+        ("prompt_tokens", ctypes.c_uint32),
+        ("tokens", ctypes.c_uint32),
+        ("finish", ctypes.c_int),
+        ("queue_ms", ctypes.c_double),
+        ("first_token_ms", ctypes.c_double),
+        ("total_ms", ctypes.c_double),
+    ]
+
+
+#: tl_event_kind
+EVENT_NONE, EVENT_TOKEN, EVENT_DONE = 0, 1, 2
+#: tl_finish
+FINISH_NAMES = {0: "length", 1: "stop"}
+
+
+class EngineEvent(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("token", ctypes.c_int32),
+        ("stats", RequestStats),
+    ]
+
+
+class EngineStats(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "queued", "running", "pool_pages", "pages_used", "page_size", "steps", "rows",
+            "tokens",
+        )
+    ]
+
+
 #: tl_token_callback: bool (*)(int32_t token, void *user_data)
 TOKEN_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_int32, ctypes.c_void_p)
 #: tl_text_callback: bool (*)(const char *piece, size_t len, void *user_data)
@@ -261,6 +307,17 @@ _SIGNATURES = {
     "tl_apply_chat_template": (
         _status, [_p, ctypes.POINTER(ChatMessage), _size, ctypes.c_bool, _p, _size, _sizep]
     ),
+    "tl_engine_default_params": (_status, [ctypes.POINTER(EngineParams)]),
+    "tl_engine_new": (_status, [_p, ctypes.POINTER(EngineParams), ctypes.POINTER(_p)]),
+    "tl_engine_submit": (
+        _status, [_p, _i32p, _size, ctypes.POINTER(GenerateParams), ctypes.POINTER(ctypes.c_uint64)]
+    ),
+    "tl_engine_next": (
+        _status, [_p, ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(EngineEvent)]
+    ),
+    "tl_engine_cancel": (_status, [_p, ctypes.c_uint64]),
+    "tl_engine_get_stats": (_status, [_p, ctypes.POINTER(EngineStats)]),
+    "tl_engine_free": (None, [_p]),
 }
 
 # The text calls, each in a model form (tl_*) and a session form (tl_session_*).

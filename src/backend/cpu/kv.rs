@@ -137,11 +137,13 @@ pub fn store(
     let (hd, q_dim, kv_dim) = (heads.head_dim, heads.q_dim(), heads.kv_dim());
     let by_h = layout.mode.stores_input();
     for r in 0..rows {
-        let pos = step.start_pos + r;
+        let pos = step.position(r);
         let row = &mut qkv[r * heads.qkv_dim()..(r + 1) * heads.qkv_dim()];
         let rotated = if by_h { q_dim } else { q_dim + kv_dim };
         rotate(&mut row[..rotated], hd, &rope[pos * hd..(pos + 1) * hd]);
         let tier = layout.tier_of(pos, bounds);
+        // Where the entry goes: the position itself, or its place in a pool.
+        let pos = step.index(r, pos);
         if by_h {
             let h_row = &h[r * layout.dim..(r + 1) * layout.dim];
             for (g, values) in h_row.chunks_exact(hd).enumerate() {
@@ -250,7 +252,7 @@ pub fn attention(
         .enumerate()
         .for_each(|(index, out)| {
             let (r, h) = (index / heads.n_heads, index % heads.n_heads);
-            let pos = step.start_pos + r;
+            let pos = step.position(r);
             let q: Vec<f32> = qkv[r * heads.qkv_dim() + h * hd..][..hd]
                 .iter()
                 .map(|&v| round_f16(v))
@@ -258,6 +260,7 @@ pub fn attention(
             let kvh = h / group;
             let mut entry = vec![0f32; hd];
             let mut scores: Vec<(usize, f32)> = (0..=pos)
+                .map(|t| step.index(r, t))
                 .filter(|&t| reached(t))
                 .map(|t| {
                     read(kv, K, at, t, kvh, &mut entry);

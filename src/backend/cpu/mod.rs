@@ -8,7 +8,8 @@ mod linear;
 use half::f16;
 
 use super::{
-    choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, Residual, StepInput,
+    choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, PooledRows, Residual,
+    StepInput,
 };
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -35,12 +36,33 @@ pub struct CpuBackend;
 pub struct CpuStep {
     tokens: Vec<u32>,
     start_pos: usize,
+    /// For a step over a KV pool: each row's position, and the pool index of every position of
+    /// its sequence up to it.
+    places: Option<Vec<(usize, Vec<usize>)>>,
     choice: Choice,
     chosen: u32,
     /// The tokens of the last `argmax_rows`.
     chosen_rows: Vec<u32>,
     /// The entropies (bits) of the last `entropy_rows`.
     entropies: Vec<f32>,
+}
+
+impl CpuStep {
+    /// The position of row `r` in its sequence.
+    fn position(&self, r: usize) -> usize {
+        match &self.places {
+            None => self.start_pos + r,
+            Some(places) => places[r].0,
+        }
+    }
+
+    /// Where the entry of position `t` of row `r`'s sequence lives in the cache.
+    fn index(&self, r: usize, t: usize) -> usize {
+        match &self.places {
+            None => t,
+            Some(places) => places[r].1[t],
+        }
+    }
 }
 
 /// Allocate a zeroed vector, reporting failure as an error instead of aborting.
@@ -105,6 +127,7 @@ impl Backend for CpuBackend {
         Ok(CpuStep {
             tokens: Vec::with_capacity(max_rows),
             start_pos: 0,
+            places: None,
             choice: Choice::Greedy,
             chosen: 0,
             chosen_rows: Vec::with_capacity(max_rows),
@@ -183,7 +206,20 @@ impl Backend for CpuBackend {
         step.tokens.clear();
         step.tokens.extend_from_slice(input.tokens);
         step.start_pos = input.start_pos;
+        step.places = None;
         step.choice = input.choice;
+        Ok(())
+    }
+
+    fn set_places(&self, step: &mut CpuStep, places: PooledRows) -> Result<()> {
+        let rows = (0..places.rows.len()).map(|r| {
+            let position = places.rows[r].position;
+            (
+                position,
+                (0..=position).map(|t| places.index(r, t)).collect(),
+            )
+        });
+        step.places = Some(rows.collect());
         Ok(())
     }
 

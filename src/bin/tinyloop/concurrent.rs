@@ -1,14 +1,15 @@
-//! `bench --concurrency N`: N requests at once against one model, each on its own session and
-//! thread (how the library serves concurrent callers: every session steps its own rows), timed
-//! together. Reports the aggregate generation rate and the latencies a caller sees.
+//! `bench --concurrency N`: N clients at once against one model, each generating the bench
+//! prompt `--repeats` times, timed together: either each on its own session and thread (every
+//! session steps its own rows), or all through one [`Engine`] (continuous batching: one step for
+//! every running request). Reports the aggregate generation rate and the latencies a caller sees.
 
 use std::sync::Barrier;
 use std::time::Instant;
 
 use serde_json::json;
-use tinyloop::{GenerateParams, Model, Result, Session};
+use tinyloop::{Engine, EngineOptions, Error, Event, GenerateParams, Model, Result, Session};
 
-/// What one session saw in its timed runs: when they began and ended (ms from the common start),
+/// What one client saw in its timed runs: when they began and ended (ms from the common start),
 /// and for every run the times of its tokens from the run's start.
 struct Timeline {
     begin_ms: f64,
@@ -16,32 +17,99 @@ struct Timeline {
     runs: Vec<Vec<f64>>,
 }
 
-/// Run `repeats` generations of `prompt` on each of `sessions` sessions of `model` at once (after
-/// one untimed warm-up generation each, in turn) and report them as JSON.
+/// How the clients are served.
+pub enum Via {
+    Sessions,
+    Engine(EngineOptions),
+}
+
+/// One client's way to generate: the prompt, calling `on_token` for each token.
+trait Client: Send {
+    fn generate(&mut self, on_token: &mut dyn FnMut()) -> Result<()>;
+}
+
+struct SessionClient<'a> {
+    session: Session,
+    prompt: &'a [u32],
+    params: &'a GenerateParams,
+}
+
+impl Client for SessionClient<'_> {
+    fn generate(&mut self, on_token: &mut dyn FnMut()) -> Result<()> {
+        let mut each = |_| {
+            on_token();
+            true
+        };
+        self.session
+            .generate_stream(self.prompt, self.params, &mut each)
+            .map(drop)
+    }
+}
+
+struct EngineClient<'a> {
+    engine: &'a Engine,
+    prompt: &'a [u32],
+    params: &'a GenerateParams,
+}
+
+impl Client for EngineClient<'_> {
+    fn generate(&mut self, on_token: &mut dyn FnMut()) -> Result<()> {
+        let submitted = self.engine.submit(self.prompt, self.params)?;
+        for event in submitted.events {
+            match event {
+                Event::Token(_) => on_token(),
+                Event::Done(_) => return Ok(()),
+                Event::Failed(e) => return Err(e),
+            }
+        }
+        Err(Error::Device(
+            "the engine ended without finishing a request".into(),
+        ))
+    }
+}
+
+/// Run `repeats` generations of `prompt` for each of `clients` clients of `model` at once
+/// (after one untimed warm-up generation each, in turn) and report them as JSON.
 pub fn run(
     model: &Model,
     prompt: &[u32],
     params: &GenerateParams,
-    sessions: usize,
+    clients: usize,
     repeats: usize,
+    via: &Via,
 ) -> Result<serde_json::Value> {
-    let mut warmed = Vec::with_capacity(sessions);
-    for _ in 0..sessions {
-        let mut session = model.new_session()?;
-        session.generate_stream(prompt, params, &mut |_| true)?;
-        warmed.push(session);
+    let engine = match via {
+        Via::Sessions => None,
+        Via::Engine(options) => Some(Engine::new(model, options)?),
+    };
+    let mut warmed: Vec<Box<dyn Client + '_>> = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        let mut client: Box<dyn Client> = match &engine {
+            None => Box::new(SessionClient {
+                session: model.new_session()?,
+                prompt,
+                params,
+            }),
+            Some(engine) => Box::new(EngineClient {
+                engine,
+                prompt,
+                params,
+            }),
+        };
+        client.generate(&mut || {})?;
+        warmed.push(client);
     }
     // Nothing fallible runs before the barrier, so no thread waits there for one that failed.
-    let barrier = Barrier::new(sessions);
+    let barrier = Barrier::new(clients);
     let origin = Instant::now();
     let timelines: Vec<Result<Timeline>> = std::thread::scope(|scope| {
         let workers: Vec<_> = warmed
             .into_iter()
-            .map(|mut session| {
+            .map(|mut client| {
                 let barrier = &barrier;
                 scope.spawn(move || {
                     barrier.wait();
-                    timed_runs(&mut session, prompt, params, repeats, origin)
+                    timed_runs(client.as_mut(), repeats, params.max_tokens, origin)
                 })
             })
             .collect();
@@ -51,14 +119,26 @@ pub fn run(
             .collect()
     });
     let timelines = timelines.into_iter().collect::<Result<Vec<_>>>()?;
-    Ok(report(&timelines, sessions))
+    let mut report = report(&timelines, clients);
+    report["via"] = json!(match via {
+        Via::Sessions => "sessions",
+        Via::Engine(_) => "engine",
+    });
+    if let Some(engine) = &engine {
+        let stats = engine.stats();
+        report["engine"] = json!({
+            "max_step_rows": engine.options().max_step_rows,
+            "steps": stats.steps,
+            "rows_per_step": stats.rows as f64 / stats.steps.max(1) as f64,
+        });
+    }
+    Ok(report)
 }
 
 fn timed_runs(
-    session: &mut Session,
-    prompt: &[u32],
-    params: &GenerateParams,
+    client: &mut dyn Client,
     repeats: usize,
+    max_tokens: usize,
     origin: Instant,
 ) -> Result<Timeline> {
     let since = |t: Instant| t.duration_since(origin).as_secs_f64() * 1e3;
@@ -66,11 +146,8 @@ fn timed_runs(
     let mut runs = Vec::with_capacity(repeats);
     for _ in 0..repeats {
         let start = Instant::now();
-        let mut stamps = Vec::with_capacity(params.max_tokens);
-        session.generate_stream(prompt, params, &mut |_| {
-            stamps.push(start.elapsed().as_secs_f64() * 1e3);
-            true
-        })?;
+        let mut stamps = Vec::with_capacity(max_tokens);
+        client.generate(&mut || stamps.push(start.elapsed().as_secs_f64() * 1e3))?;
         runs.push(stamps);
     }
     Ok(Timeline {
@@ -80,7 +157,7 @@ fn timed_runs(
     })
 }
 
-fn report(timelines: &[Timeline], sessions: usize) -> serde_json::Value {
+fn report(timelines: &[Timeline], clients: usize) -> serde_json::Value {
     let begin = timelines
         .iter()
         .map(|t| t.begin_ms)
@@ -94,7 +171,7 @@ fn report(timelines: &[Timeline], sessions: usize) -> serde_json::Value {
         .collect();
     let wall_ms = end - begin;
     json!({
-        "sessions": sessions,
+        "clients": clients,
         "requests": first.len(),
         "tokens": tokens,
         "wall_ms": wall_ms,

@@ -1,0 +1,421 @@
+//! The engine's thread: admit requests into the KV pool, plan a step, run it, hand out tokens.
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::schedule::{self, Demand, Segment};
+use super::{fed_positions, EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State};
+use crate::backend::{choose_on_host, Backend, PooledRow, PooledRows};
+use crate::ctx_tier::Tier;
+use crate::error::{Error, Result};
+use crate::generate::next_choice;
+use crate::generate::sampling::Rng;
+use crate::kv::pool::PagePool;
+use crate::kv::KvLayout;
+use crate::model::forward::{
+    final_norm, logits, run_rows, stage_pooled, Buffers, Rows, Span, LOGIT_ROWS,
+};
+use crate::model::weights::Weights;
+use crate::shared::{OnDevice, Shared};
+
+/// Start the engine's thread once its buffers and pool exist (an error allocating them is
+/// returned here).
+pub(super) fn start(
+    shared: Arc<Shared>,
+    inbox: Arc<Inbox>,
+    options: EngineOptions,
+) -> Result<JoinHandle<()>> {
+    let (ready, started) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("tinyloop-engine".into())
+        .spawn(move || match &shared.on_device {
+            OnDevice::Cpu(l) => serve(&shared, &l.backend, &l.weights, &inbox, &options, ready),
+            OnDevice::Cuda(l) => match l.backend.session(&l.weights.config) {
+                Ok(backend) => serve(&shared, &backend, &l.weights, &inbox, &options, ready),
+                Err(e) => drop(ready.send(Err(e))),
+            },
+        })
+        .map_err(|e| Error::Device(format!("cannot start the engine's thread: {e}")))?;
+    match started.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err(Error::Device(
+                "the engine's thread ended while starting".into(),
+            ))
+        }
+    }
+}
+
+/// A running request.
+struct Sequence {
+    queued: Queued,
+    rng: Rng,
+    /// Positions whose KV entries are written.
+    fed: usize,
+    /// The last generated token, to be fed next (none while the prompt is being fed).
+    next: Option<u32>,
+    generated: usize,
+    pages: Vec<u32>,
+    admitted: Instant,
+    first_token: Option<Instant>,
+    /// Set once the sequence has produced all it may.
+    finish: Option<Finish>,
+}
+
+impl Sequence {
+    fn demand(&self) -> Demand {
+        Demand {
+            prompt_left: self.queued.prompt.len().saturating_sub(self.fed),
+            loops: self.queued.request.loops,
+        }
+    }
+
+    /// Send an event; false when nobody listens any more (the receiver was dropped).
+    fn send(&self, event: Event) -> bool {
+        self.queued.events.send(event).is_ok()
+    }
+
+    fn stats(&self, finish: Finish) -> RequestStats {
+        let since = |t: Instant| t.duration_since(self.queued.submitted).as_secs_f64() * 1e3;
+        RequestStats {
+            prompt_tokens: self.queued.prompt.len(),
+            tokens: self.generated,
+            finish,
+            queue_ms: since(self.admitted),
+            first_token_ms: self.first_token.map_or(0.0, since),
+            total_ms: since(Instant::now()),
+        }
+    }
+}
+
+/// What one step's rows are: tokens, places and loop counts, by row.
+struct Step<'a> {
+    tokens: Vec<u32>,
+    places: Vec<PooledRow<'a>>,
+    loops: Vec<usize>,
+}
+
+fn step_rows<'a>(running: &'a [Sequence], plan: &[Segment]) -> Step<'a> {
+    let mut step = Step {
+        tokens: Vec::new(),
+        places: Vec::new(),
+        loops: Vec::new(),
+    };
+    for s in plan {
+        let seq = &running[s.sequence];
+        for r in 0..s.rows {
+            let position = seq.fed + r;
+            let token = match seq.next {
+                Some(token) if s.decode => token,
+                _ => seq.queued.prompt[position],
+            };
+            step.tokens.push(token);
+            step.places.push(PooledRow {
+                position,
+                table: &seq.pages,
+            });
+            step.loops.push(s.loops);
+        }
+    }
+    step
+}
+
+fn serve<B: Backend>(
+    shared: &Shared,
+    backend: &B,
+    w: &Weights<B>,
+    inbox: &Inbox,
+    options: &EngineOptions,
+    ready: std::sync::mpsc::Sender<Result<()>>,
+) {
+    let made = (|| {
+        let layout = KvLayout::new(&w.config, shared.kv_layout.mode, options.pool_positions)?;
+        let (body, _) = w.body.acquire(backend, Tier::Short)?;
+        let buf = Buffers::new(
+            backend,
+            &w.config,
+            options.max_step_rows,
+            layout,
+            body,
+            shared.options.state_init,
+        )?;
+        let pool = PagePool::new(
+            options.page_size,
+            options.pool_positions / options.page_size,
+        )?;
+        Ok((buf, pool))
+    })();
+    let (mut buf, mut pool) = match made {
+        Ok(parts) => parts,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    // The engine's buffers and pool count in the model's memory from its start to its end.
+    let mut accounted = 0;
+    let mut account = |buf: &Buffers<B>| {
+        let bytes = buf.bytes + buf.kv.bytes();
+        shared.session_bytes.fetch_add(bytes, Ordering::Relaxed);
+        shared.session_bytes.fetch_sub(accounted, Ordering::Relaxed);
+        accounted = bytes;
+    };
+    account(&buf);
+    let _ = ready.send(Ok(()));
+    let mut running: Vec<Sequence> = Vec::new();
+    loop {
+        {
+            let mut state = inbox.lock();
+            while state.queue.is_empty() && running.is_empty() && !state.shutdown {
+                state = inbox.wait(state);
+            }
+            if state.shutdown {
+                break;
+            }
+            drop_cancelled_queued(&mut state);
+            admit(&mut state, &mut running, &mut pool, options.max_running);
+        }
+        // Requests that end in this iteration hear it once the stats say so.
+        let mut ended = Vec::new();
+        drop_cancelled(&mut running, &mut pool, &mut ended);
+        let plan = schedule::plan(
+            &running.iter().map(Sequence::demand).collect::<Vec<_>>(),
+            options.max_step_rows,
+        );
+        let mut rows = 0;
+        let mut tokens = 0;
+        if !plan.is_empty() {
+            rows = plan.iter().map(|s| s.rows).sum::<usize>();
+            match run_step(backend, w, &mut buf, &pool, &running, &plan) {
+                Ok(chosen) => tokens = hand_out(&mut running, &plan, chosen, &w.config),
+                Err(e) => fail_all(&mut running, &mut pool, &mut ended, &e),
+            }
+        }
+        finish_ended(&mut running, &mut pool, &mut ended);
+        account(&buf);
+        let mut state = inbox.lock();
+        let stats = &mut state.stats;
+        stats.running = running.len();
+        stats.pages_used = pool.pages() - pool.free_pages();
+        stats.steps += u64::from(!plan.is_empty());
+        stats.rows += rows as u64;
+        stats.tokens += tokens as u64;
+        for end in &ended {
+            state.live.remove(&end.id);
+        }
+        drop(state);
+        for end in ended {
+            let _ = end.events.send(end.event);
+        }
+    }
+    // Shutdown: every request still queued or running ends as cancelled.
+    let mut state = inbox.lock();
+    for q in std::mem::take(&mut state.queue) {
+        state.live.remove(&q.id);
+        let _ = q.events.send(Event::Failed(Error::Cancelled));
+    }
+    for seq in running {
+        state.live.remove(&seq.queued.id);
+        seq.send(Event::Failed(Error::Cancelled));
+    }
+    state.stats.queued = 0;
+    state.stats.running = 0;
+    drop(state);
+    shared.session_bytes.fetch_sub(accounted, Ordering::Relaxed);
+}
+
+/// End the cancelled requests of the queue.
+fn drop_cancelled_queued(state: &mut State) {
+    let State { queue, live, .. } = state;
+    queue.retain(|q| {
+        let cancelled = q.cancel.load(Ordering::Acquire);
+        if cancelled {
+            let _ = q.events.send(Event::Failed(Error::Cancelled));
+            live.remove(&q.id);
+        }
+        !cancelled
+    });
+}
+
+/// A request that ended in this iteration, and its last event.
+struct Ended {
+    id: u64,
+    events: mpsc::Sender<Event>,
+    event: Event,
+}
+
+impl Sequence {
+    /// This sequence ends with `event`; its pages go back to the pool.
+    fn end(mut self, pool: &mut PagePool, event: Event) -> Ended {
+        pool.release(&mut self.pages);
+        Ended {
+            id: self.queued.id,
+            events: self.queued.events,
+            event,
+        }
+    }
+}
+
+/// End the cancelled running requests (and those whose receiver is gone, found when a token
+/// could not be delivered).
+fn drop_cancelled(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut Vec<Ended>) {
+    let (cancelled, kept): (Vec<_>, Vec<_>) = std::mem::take(running)
+        .into_iter()
+        .partition(|seq| seq.queued.cancel.load(Ordering::Acquire));
+    *running = kept;
+    ended.extend(
+        cancelled
+            .into_iter()
+            .map(|seq| seq.end(pool, Event::Failed(Error::Cancelled))),
+    );
+}
+
+/// Admit queued requests, oldest first, while a place is free and the pool has the pages of
+/// every position the request may write.
+fn admit(state: &mut State, running: &mut Vec<Sequence>, pool: &mut PagePool, max_running: usize) {
+    while running.len() < max_running {
+        let Some(front) = state.queue.front() else {
+            break;
+        };
+        let positions = fed_positions(front.prompt.len(), front.request.max_tokens);
+        let mut pages = Vec::new();
+        if !pool.grow(&mut pages, positions) {
+            break;
+        }
+        let Some(queued) = state.queue.pop_front() else {
+            break;
+        };
+        let rng = Rng::new(queued.request.sampling.seed);
+        running.push(Sequence {
+            queued,
+            rng,
+            fed: 0,
+            next: None,
+            generated: 0,
+            pages,
+            admitted: Instant::now(),
+            first_token: None,
+            finish: None,
+        });
+    }
+    state.stats.queued = state.queue.len();
+}
+
+/// Run the planned step; returns the logits of each segment that produces a token (a decode
+/// row, or a prompt's last row), by segment, in plan order.
+fn run_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    pool: &PagePool,
+    running: &[Sequence],
+    plan: &[Segment],
+) -> Result<Vec<Option<Vec<f32>>>> {
+    let step = step_rows(running, plan);
+    let places = PooledRows {
+        page_size: pool.page_size(),
+        rows: &step.places,
+    };
+    stage_pooled(backend, w, buf, &step.tokens, places, &step.loops)?;
+    let span = Span::all(step.loops[0]);
+    run_rows(backend, w, buf, Rows::Deepest(&step.loops), span, None)?;
+    final_norm(backend, w, buf, step.tokens.len());
+    let vocab = w.config.vocab_size;
+    let last_row = |s: &Segment| {
+        let seq = &running[s.sequence];
+        let prompt_done = seq.fed + s.rows == seq.queued.prompt.len();
+        (s.decode || prompt_done).then_some(s.first_row + s.rows - 1)
+    };
+    let wanted: Vec<Option<usize>> = plan.iter().map(last_row).collect();
+    let rows: Vec<usize> = wanted.iter().flatten().copied().collect();
+    let mut out: Vec<Vec<f32>> = Vec::with_capacity(rows.len());
+    // Runs of consecutive rows share a head call.
+    let mut i = 0;
+    while i < rows.len() {
+        let mut n = 1;
+        while i + n < rows.len() && n < LOGIT_ROWS && rows[i + n] == rows[i] + n {
+            n += 1;
+        }
+        logits(backend, w, buf, rows[i], n);
+        let values = backend.read_float(&buf.logits, 0, n * vocab)?;
+        out.extend(values.chunks_exact(vocab).map(<[f32]>::to_vec));
+        i += n;
+    }
+    let mut out = out.into_iter();
+    Ok(wanted.iter().map(|r| r.and_then(|_| out.next())).collect())
+}
+
+/// Advance every planned sequence past its rows and choose its next token where the step
+/// produced logits for it; returns the tokens handed out.
+fn hand_out(
+    running: &mut [Sequence],
+    plan: &[Segment],
+    chosen: Vec<Option<Vec<f32>>>,
+    config: &crate::ModelConfig,
+) -> usize {
+    let mut handed = 0;
+    for (s, row_logits) in plan.iter().zip(chosen) {
+        let seq = &mut running[s.sequence];
+        seq.fed += s.rows;
+        let Some(row_logits) = row_logits else {
+            continue;
+        };
+        debug_assert_eq!(row_logits.len(), config.vocab_size);
+        let choice = next_choice(&seq.queued.request.sampling, &mut seq.rng);
+        let token = choose_on_host(&row_logits, &choice);
+        seq.first_token.get_or_insert_with(Instant::now);
+        if seq.queued.request.stop_tokens.contains(&token) {
+            seq.finish = Some(Finish::Stop);
+            continue;
+        }
+        seq.generated += 1;
+        handed += 1;
+        if !seq.send(Event::Token(token)) {
+            seq.queued.cancel.store(true, Ordering::Release);
+        }
+        seq.next = Some(token);
+        if seq.generated == seq.queued.request.max_tokens {
+            seq.finish = Some(Finish::Length);
+        }
+    }
+    handed
+}
+
+/// End the sequences that have produced all they may.
+fn finish_ended(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut Vec<Ended>) {
+    let (finished, kept): (Vec<_>, Vec<_>) = std::mem::take(running)
+        .into_iter()
+        .partition(|seq| seq.finish.is_some());
+    *running = kept;
+    for seq in finished {
+        let stats = seq.stats(seq.finish.unwrap_or(Finish::Length));
+        ended.push(seq.end(pool, Event::Done(stats)));
+    }
+}
+
+/// A step failed: every running request ends with its error.
+fn fail_all(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut Vec<Ended>, e: &Error) {
+    for seq in running.drain(..) {
+        ended.push(seq.end(pool, Event::Failed(copy_error(e))));
+    }
+}
+
+/// The same failure, for each request it ended.
+fn copy_error(e: &Error) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+        Error::OutOfMemory { bytes, what } => Error::OutOfMemory {
+            bytes: *bytes,
+            what: what.clone(),
+        },
+        Error::Cancelled => Error::Cancelled,
+        other => Error::Device(other.to_string()),
+    }
+}
