@@ -18,6 +18,8 @@
 #   fresh-venv what a new user does: `pip install bindings/python` into a fresh venv with pip's
 #              default build isolation and nothing prepared, then generate from
 #              models/demo.tinyloop
+#   serve      `tinyloop MODEL serve` on 127.0.0.1 answering the official `openai` client
+#              (tests/serve, in a fresh venv with openai and pytest)
 #   go         go vet + go test in bindings/go (through pkg-config and the installed prefix)
 #   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
 #   consumers  tests/consumers built outside the repository against the installed prefix: C with
@@ -54,7 +56,7 @@ export GOCACHE="$OUTSIDE/go-cache"
 export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
 ALL_STEPS=(header c-so c-static c-abi c-seed valgrind valgrind-seed valgrind-abi asan install python fresh-venv
-    go cpp consumers)
+    serve go cpp consumers)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
 declare -A RESULT=()
@@ -283,6 +285,13 @@ assert len(tokens) == 24, tokens
 print("generated:", bytes(tokens.tolist()).decode(errors="replace"))
 EOF
     )
+}
+
+step_serve() {
+    local venv="$OUTSIDE/serve-venv"
+    python3 -m venv "$venv" && "$venv/bin/python" -m pip install -q openai pytest || return 1
+    TINYLOOP_BIN="$REL/tinyloop" TINYLOOP_DEMO_MODEL="$ROOT/models/demo.tinyloop" \
+        PYTHONDONTWRITEBYTECODE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/serve
 }
 
 step_go() {

@@ -57,7 +57,9 @@ use shared::{CudaSession, Loaded, OnDevice, SessionState, Shared};
 
 /// Packaging: precompile the CUDA kernels for an architecture into a folder (`tinyloop kernels`).
 pub use backend::cuda::kernels::ship as ship_kernels;
-pub use batch::{Engine, EngineOptions, EngineStats, Event, Finish, RequestStats, Submitted};
+pub use batch::{
+    Engine, EngineOptions, EngineStats, Event, Finish, RequestStats, Submitted, STEP_MS_BOUNDS,
+};
 pub use ctx_tier::{CtxTier, CtxTierStats, Tier};
 pub use device::Device;
 pub use error::{Error, Result};

@@ -92,8 +92,13 @@ pub struct RequestStats {
     pub total_ms: f64,
 }
 
+/// Upper bounds (milliseconds) of the step-time histogram of [`EngineStats::step_ms_buckets`].
+pub const STEP_MS_BOUNDS: [f64; 12] = [
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0,
+];
+
 /// What an engine holds now.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EngineStats {
     /// Requests waiting to be admitted.
     pub queued: usize,
@@ -107,6 +112,10 @@ pub struct EngineStats {
     pub steps: u64,
     pub rows: u64,
     pub tokens: u64,
+    /// Steps that took at most each bound of [`STEP_MS_BOUNDS`] (cumulative counts; `steps`
+    /// counts every step), and the milliseconds of all steps.
+    pub step_ms_buckets: [u64; STEP_MS_BOUNDS.len()],
+    pub step_ms_sum: f64,
 }
 
 /// A submitted request: its id (for [`Engine::cancel`]) and its events.

@@ -6,7 +6,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::schedule::{self, Demand, Segment};
-use super::{fed_positions, EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State};
+use super::{
+    fed_positions, EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State, STEP_MS_BOUNDS,
+};
 use crate::backend::{choose_on_host, Backend, PooledRow, PooledRows};
 use crate::ctx_tier::Tier;
 use crate::error::{Error, Result};
@@ -191,6 +193,7 @@ fn serve<B: Backend>(
         );
         let mut rows = 0;
         let mut tokens = 0;
+        let started = Instant::now();
         if !plan.is_empty() {
             rows = plan.iter().map(|s| s.rows).sum::<usize>();
             match run_step(backend, w, &mut buf, &pool, &running, &plan) {
@@ -204,7 +207,19 @@ fn serve<B: Backend>(
         let stats = &mut state.stats;
         stats.running = running.len();
         stats.pages_used = pool.pages() - pool.free_pages();
-        stats.steps += u64::from(!plan.is_empty());
+        if !plan.is_empty() {
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            stats.steps += 1;
+            stats.step_ms_sum += ms;
+            for (count, _) in stats
+                .step_ms_buckets
+                .iter_mut()
+                .zip(STEP_MS_BOUNDS)
+                .filter(|(_, bound)| ms <= *bound)
+            {
+                *count += 1;
+            }
+        }
         stats.rows += rows as u64;
         stats.tokens += tokens as u64;
         for end in &ended {

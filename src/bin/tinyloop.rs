@@ -10,6 +10,8 @@ use std::time::Instant;
 mod concurrent;
 #[path = "tinyloop/position_buckets.rs"]
 mod position_buckets;
+#[path = "tinyloop/serve/mod.rs"]
+mod serve;
 
 use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand};
@@ -109,6 +111,9 @@ enum ModelCommand {
     Lens(LensArgs),
     /// How the last position moves through the loop iterations (norm, change, KL, entropy).
     Trajectory(InputArgs),
+    /// Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions,
+    /// /v1/models), /health and Prometheus /metrics, through one engine (continuous batching).
+    Serve(ServeArgs),
     /// Write a copy whose loop-block linears are re-quantized (round-to-nearest of the
     /// dequantized weights at the same group size); every other tensor is copied unchanged.
     Requantize {
@@ -119,6 +124,40 @@ enum ModelCommand {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// auto, cpu, cuda or cuda:N (default: TINYLOOP_DEVICE, else auto; the engine runs on the
+    /// CPU for now).
+    #[arg(long)]
+    device: Option<Device>,
+    /// Upper bound on prompt + generated tokens of a request (default: 2048, or the model's
+    /// max_position when that is smaller).
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(1, MAX))]
+    max_seq_len: Option<usize>,
+    /// KV cache mode: fp16, int8 or delta (default: as for the other commands).
+    #[arg(long = "kv", value_name = "MODE")]
+    kv: Option<KvMode>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// Port to listen on (0: any free port; the address is printed on stderr).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model's id in /v1/models and in responses (default: the file name without its
+    /// extension).
+    #[arg(long)]
+    name: Option<String>,
+    /// Rows one engine step runs at most (decode rows and prompt chunks together).
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(1, 65536))]
+    max_step_rows: Option<usize>,
+    /// Requests that run at once; more wait in the queue.
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(1, 65536))]
+    max_running: Option<usize>,
+    /// Silence the library's load log.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Args, Clone)]
@@ -890,6 +929,7 @@ fn run_model(cli: ModelCli) -> Result<()> {
         ModelCommand::Bench(args) => bench(&cli.model, args),
         ModelCommand::Lens(args) => lens(&cli.model, args),
         ModelCommand::Trajectory(args) => trajectory(&cli.model, args),
+        ModelCommand::Serve(args) => serve_model(&cli.model, args),
         ModelCommand::Requantize {
             loop_body_bits,
             out,
@@ -917,6 +957,28 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
         ..ModelOptions::default()
     };
     Model::open(path, &options)
+}
+
+fn serve_model(path: &PathBuf, args: ServeArgs) -> Result<()> {
+    let options = ModelOptions {
+        max_seq_len: args.max_seq_len.unwrap_or(0),
+        device: args.device,
+        kv_mode: args.kv,
+        log: !args.quiet,
+        ..ModelOptions::default()
+    };
+    let model = Model::open(path, &options)?;
+    let name = args.name.unwrap_or_else(|| {
+        path.file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().into_owned())
+    });
+    let defaults = EngineOptions::default();
+    let engine = EngineOptions {
+        max_step_rows: args.max_step_rows.unwrap_or(defaults.max_step_rows),
+        max_running: args.max_running.unwrap_or(defaults.max_running),
+        ..defaults
+    };
+    serve::run(model, name, &engine, (args.host, args.port).into())
 }
 
 fn is_byte_level(model: &Model) -> bool {

@@ -389,6 +389,7 @@ pub unsafe extern "C" fn tl_engine_get_stats(
             steps,
             rows,
             tokens,
+            ..
         } = open.engine.stats();
         let stats = tl_engine_stats {
             queued: queued as u64,
