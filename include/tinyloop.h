@@ -407,6 +407,9 @@ typedef struct tl_engine_params {
 // What one request did (in its `TL_EVENT_DONE` event).
 typedef struct tl_request_stats {
     uint32_t prompt_tokens;
+    // Prompt tokens whose KV entries came from cached pages of an earlier request with the
+    // same prefix at the same loops (not computed again).
+    uint32_t cached_tokens;
     // Tokens returned.
     uint32_t tokens;
     enum tl_finish finish;
@@ -436,6 +439,8 @@ typedef struct tl_engine_stats {
     uint64_t pool_pages;
     // Pages held by running requests.
     uint64_t pages_used;
+    // Pages nobody holds that keep a prompt prefix cached for later requests.
+    uint64_t cached_pages;
     uint64_t page_size;
     // Steps run since the engine started, and the rows and generated tokens they carried.
     uint64_t steps;

@@ -362,3 +362,55 @@ fn a_full_queue_is_busy() {
         Err(Error::Busy)
     ));
 }
+
+#[test]
+fn requests_with_a_common_prefix_share_its_pages() {
+    let model = open_cpu(&synth_file("tiny", 3, 4));
+    let options = EngineOptions {
+        max_running: 1,
+        ..small_steps()
+    };
+    let engine = Engine::new(&model, &options).unwrap();
+    let prefix = tokens(30, 256, 9);
+    let with =
+        |tail: u32| -> Vec<u32> { prefix.iter().copied().chain(tokens(5, 256, tail)).collect() };
+    let mut session = model.new_session().unwrap();
+    // The first request computes every position; the second takes the 7 pages of four
+    // positions that hold the first 28 prompt tokens of both, and starts after them.
+    for (tail, loops, cached) in [(1, 3, 0), (2, 3, 28), (3, 5, 0), (4, 5, 28), (2, 3, 32)] {
+        let prompt = with(tail);
+        let (got, stats) = engine
+            .submit(&prompt, &params(8, loops))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(got, session.generate(&prompt, &params(8, loops)).unwrap());
+        assert_eq!(stats.cached_tokens, cached, "tail {tail} at {loops} loops");
+    }
+    let stats = engine.stats();
+    assert_eq!(stats.pages_used, 0);
+    assert!(stats.cached_pages > 0);
+}
+
+#[test]
+fn shared_and_evicted_pages_keep_every_request_equal_to_generation_alone() {
+    let model = open_cpu(&synth_file("tiny-sandwich", 3, 4));
+    let prefix = tokens(21, 256, 5);
+    let requests: Vec<_> = (0..8)
+        .map(|i| {
+            let prompt = prefix
+                .iter()
+                .copied()
+                .chain(tokens(2 + i, 256, i as u32))
+                .collect();
+            (prompt, params(6, 1 + i % 3))
+        })
+        .collect();
+    for pool_positions in [0, 96] {
+        let options = EngineOptions {
+            pool_positions,
+            ..small_steps()
+        };
+        check_against_sessions(&model, &options, &requests);
+    }
+}

@@ -45,6 +45,7 @@ type Engine struct {
 // RequestStats say what a finished request did.
 type RequestStats struct {
 	PromptTokens int
+	CachedTokens int // prompt tokens taken from cached pages of an earlier request's prefix
 	Tokens       int
 	Finish       string // "length" or "stop"
 	QueueMS      float64
@@ -54,7 +55,7 @@ type RequestStats struct {
 
 // EngineStats are an engine's queue, running requests, KV pool use and step counts.
 type EngineStats struct {
-	Queued, Running, PoolPages, PagesUsed, PageSize, Steps, Rows, Tokens uint64
+	Queued, Running, PoolPages, PagesUsed, CachedPages, PageSize, Steps, Rows, Tokens uint64
 }
 
 // Request is a submitted request. Its tokens arrive on Tokens, which is closed when the
@@ -153,6 +154,7 @@ func (e *Engine) follow(ctx context.Context, r *Request, out chan<- int32) {
 			}
 			r.stats = RequestStats{
 				PromptTokens: int(s.prompt_tokens),
+				CachedTokens: int(s.cached_tokens),
 				Tokens:       int(s.tokens),
 				Finish:       finish,
 				QueueMS:      float64(s.queue_ms),
@@ -198,7 +200,8 @@ func (e *Engine) Stats() (EngineStats, error) {
 	err := call("Stats", "engine", func() C.enum_tl_status { return C.tl_engine_get_stats(e.ptr, &s) })
 	return EngineStats{
 		Queued: uint64(s.queued), Running: uint64(s.running), PoolPages: uint64(s.pool_pages),
-		PagesUsed: uint64(s.pages_used), PageSize: uint64(s.page_size), Steps: uint64(s.steps),
+		PagesUsed: uint64(s.pages_used), CachedPages: uint64(s.cached_pages),
+		PageSize: uint64(s.page_size), Steps: uint64(s.steps),
 		Rows: uint64(s.rows), Tokens: uint64(s.tokens),
 	}, err
 }

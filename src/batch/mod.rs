@@ -6,7 +6,9 @@
 //! request's prompt is prefilled while others decode. The KV entries of every sequence live in
 //! one pool of fixed-size pages ([`crate::kv::pool`]); a request is admitted when the pages for
 //! its prompt and every token it may generate are free (so it never waits for memory once it
-//! runs), oldest first.
+//! runs), oldest first. Pages of prompt prefixes are shared: a request whose prompt starts with
+//! the tokens of an earlier request's full pages, at the same loops, takes those pages and
+//! starts after them.
 //!
 //! Rows of one step may ask for different loop counts: rows run deepest first, and loop
 //! iteration i runs only the rows that reach it. On the CPU every row computes exactly what it
@@ -81,6 +83,9 @@ pub enum Event {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV entries came from cached pages of an earlier request with the
+    /// same prefix at the same loops (they were not computed again).
+    pub cached_tokens: usize,
     /// Tokens returned.
     pub tokens: usize,
     pub finish: Finish,
@@ -107,6 +112,9 @@ pub struct EngineStats {
     pub pool_pages: usize,
     /// Pages held by running requests.
     pub pages_used: usize,
+    /// Pages nobody holds that keep a prompt prefix for later requests (evicted, least
+    /// recently used first, when memory is needed).
+    pub cached_pages: usize,
     pub page_size: usize,
     /// Steps run, and the rows and generated tokens they carried, since the engine started.
     pub steps: u64,

@@ -61,6 +61,8 @@ struct Sequence {
     rng: Rng,
     /// Positions whose KV entries are written.
     fed: usize,
+    /// Prompt positions whose entries came from cached pages.
+    cached: usize,
     /// The last generated token, to be fed next (none while the prompt is being fed).
     next: Option<u32>,
     generated: usize,
@@ -88,6 +90,7 @@ impl Sequence {
         let since = |t: Instant| t.duration_since(self.queued.submitted).as_secs_f64() * 1e3;
         RequestStats {
             prompt_tokens: self.queued.prompt.len(),
+            cached_tokens: self.cached,
             tokens: self.generated,
             finish,
             queue_ms: since(self.admitted),
@@ -197,7 +200,7 @@ fn serve<B: Backend>(
         if !plan.is_empty() {
             rows = plan.iter().map(|s| s.rows).sum::<usize>();
             match run_step(backend, w, &mut buf, &pool, &running, &plan) {
-                Ok(chosen) => tokens = hand_out(&mut running, &plan, chosen, &w.config),
+                Ok(chosen) => tokens = hand_out(&mut running, &plan, chosen, &mut pool),
                 Err(e) => fail_all(&mut running, &mut pool, &mut ended, &e),
             }
         }
@@ -207,6 +210,7 @@ fn serve<B: Backend>(
         let stats = &mut state.stats;
         stats.running = running.len();
         stats.pages_used = pool.pages() - pool.free_pages();
+        stats.cached_pages = pool.cached_pages();
         if !plan.is_empty() {
             let ms = started.elapsed().as_secs_f64() * 1e3;
             stats.steps += 1;
@@ -293,15 +297,27 @@ fn drop_cancelled(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut 
 }
 
 /// Admit queued requests, oldest first, while a place is free and the pool has the pages of
-/// every position the request may write.
+/// every position the request may write. The request takes the cached pages of its prompt's
+/// prefix (all but its last token, which must run to give the first token's logits) and starts
+/// after them.
 fn admit(state: &mut State, running: &mut Vec<Sequence>, pool: &mut PagePool, max_running: usize) {
     while running.len() < max_running {
         let Some(front) = state.queue.front() else {
             break;
         };
-        let positions = fed_positions(front.prompt.len(), front.request.max_tokens);
+        let (prompt, loops) = (&front.prompt, front.request.loops);
+        let page = pool.page_size();
         let mut pages = Vec::new();
+        for end in (page..prompt.len()).step_by(page) {
+            match pool.share(&(loops, prompt[..end].to_vec())) {
+                Some(p) => pages.push(p),
+                None => break,
+            }
+        }
+        let shared = pages.len() * page;
+        let positions = fed_positions(prompt.len(), front.request.max_tokens);
         if !pool.grow(&mut pages, positions) {
+            pool.release(&mut pages);
             break;
         }
         let Some(queued) = state.queue.pop_front() else {
@@ -311,7 +327,8 @@ fn admit(state: &mut State, running: &mut Vec<Sequence>, pool: &mut PagePool, ma
         running.push(Sequence {
             queued,
             rng,
-            fed: 0,
+            fed: shared,
+            cached: shared,
             next: None,
             generated: 0,
             pages,
@@ -321,6 +338,18 @@ fn admit(state: &mut State, running: &mut Vec<Sequence>, pool: &mut PagePool, ma
         });
     }
     state.stats.queued = state.queue.len();
+}
+
+/// Register the pages that `seq`'s last step filled with prompt tokens, for later requests
+/// with the same prefix.
+fn register_prompt_pages(seq: &Sequence, before: usize, pool: &mut PagePool) {
+    let page = pool.page_size();
+    let prompt = &seq.queued.prompt;
+    let full = seq.fed.min(prompt.len()) / page;
+    for k in before / page..full {
+        let key = (seq.queued.request.loops, prompt[..(k + 1) * page].to_vec());
+        pool.register(seq.pages[k], key);
+    }
 }
 
 /// Run the planned step; returns the logits of each segment that produces a token (a decode
@@ -373,16 +402,17 @@ fn hand_out(
     running: &mut [Sequence],
     plan: &[Segment],
     chosen: Vec<Option<Vec<f32>>>,
-    config: &crate::ModelConfig,
+    pool: &mut PagePool,
 ) -> usize {
     let mut handed = 0;
     for (s, row_logits) in plan.iter().zip(chosen) {
         let seq = &mut running[s.sequence];
+        let before = seq.fed;
         seq.fed += s.rows;
+        register_prompt_pages(seq, before, pool);
         let Some(row_logits) = row_logits else {
             continue;
         };
-        debug_assert_eq!(row_logits.len(), config.vocab_size);
         let choice = next_choice(&seq.queued.request.sampling, &mut seq.rng);
         let token = choose_on_host(&row_logits, &choice);
         seq.first_token.get_or_insert_with(Instant::now);

@@ -65,6 +65,9 @@ pub enum tl_finish {
 #[derive(Clone, Copy, Debug)]
 pub struct tl_request_stats {
     pub prompt_tokens: u32,
+    /// Prompt tokens whose KV entries came from cached pages of an earlier request with the
+    /// same prefix at the same loops (not computed again).
+    pub cached_tokens: u32,
     /// Tokens returned.
     pub tokens: u32,
     pub finish: tl_finish,
@@ -110,6 +113,8 @@ pub struct tl_engine_stats {
     pub pool_pages: u64,
     /// Pages held by running requests.
     pub pages_used: u64,
+    /// Pages nobody holds that keep a prompt prefix cached for later requests.
+    pub cached_pages: u64,
     pub page_size: u64,
     /// Steps run since the engine started, and the rows and generated tokens they carried.
     pub steps: u64,
@@ -332,6 +337,7 @@ fn event_of(kind: tl_event_kind, token: i32, stats: Option<&RequestStats>) -> tl
     let stats = stats.map_or(
         tl_request_stats {
             prompt_tokens: 0,
+            cached_tokens: 0,
             tokens: 0,
             finish: tl_finish::TL_FINISH_LENGTH,
             queue_ms: 0.0,
@@ -340,6 +346,7 @@ fn event_of(kind: tl_event_kind, token: i32, stats: Option<&RequestStats>) -> tl
         },
         |s| tl_request_stats {
             prompt_tokens: s.prompt_tokens as u32,
+            cached_tokens: s.cached_tokens as u32,
             tokens: s.tokens as u32,
             finish: match s.finish {
                 Finish::Length => tl_finish::TL_FINISH_LENGTH,
@@ -385,6 +392,7 @@ pub unsafe extern "C" fn tl_engine_get_stats(
             running,
             pool_pages,
             pages_used,
+            cached_pages,
             page_size,
             steps,
             rows,
@@ -396,6 +404,7 @@ pub unsafe extern "C" fn tl_engine_get_stats(
             running: running as u64,
             pool_pages: pool_pages as u64,
             pages_used: pages_used as u64,
+            cached_pages: cached_pages as u64,
             page_size: page_size as u64,
             steps,
             rows,

@@ -1335,8 +1335,9 @@ class Request:
         self._engine = engine
         #: The request's id in its engine.
         self.id = request_id
-        #: After the last token: ``prompt_tokens``, ``tokens``, ``finish`` ("length" or
-        #: "stop"), ``queue_ms``, ``first_token_ms`` and ``total_ms``.
+        #: After the last token: ``prompt_tokens``, ``cached_tokens`` (prompt tokens taken from
+        #: the cached pages of an earlier request with the same prefix), ``tokens``, ``finish``
+        #: ("length" or "stop"), ``queue_ms``, ``first_token_ms`` and ``total_ms``.
         self.stats: Optional[Dict[str, Any]] = None
 
     def _next(self) -> Optional[int]:
@@ -1355,6 +1356,7 @@ class Request:
         s = event.stats
         self.stats = {
             "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
             "tokens": s.tokens,
             "finish": _c.FINISH_NAMES.get(s.finish, "unknown"),
             "queue_ms": s.queue_ms,
@@ -1463,8 +1465,8 @@ class Engine:
         return Request(self, request_id.value)
 
     def stats(self) -> Dict[str, int]:
-        """``queued``, ``running``, ``pool_pages``, ``pages_used``, ``page_size``, ``steps``,
-        ``rows`` and ``tokens`` now."""
+        """``queued``, ``running``, ``pool_pages``, ``pages_used``, ``cached_pages``,
+        ``page_size``, ``steps``, ``rows`` and ``tokens`` now."""
         out = _c.EngineStats()
         self._call("stats", "tl_engine_get_stats", ctypes.byref(out))
         return {name: int(getattr(out, name)) for name, _ in _c.EngineStats._fields_}

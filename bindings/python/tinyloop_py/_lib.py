@@ -199,6 +199,7 @@ class EngineParams(ctypes.Structure):
 class RequestStats(ctypes.Structure):
     _fields_ = [
         ("prompt_tokens", ctypes.c_uint32),
+        ("cached_tokens", ctypes.c_uint32),
         ("tokens", ctypes.c_uint32),
         ("finish", ctypes.c_int),
         ("queue_ms", ctypes.c_double),
@@ -225,8 +226,8 @@ class EngineStats(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_uint64)
         for name in (
-            "queued", "running", "pool_pages", "pages_used", "page_size", "steps", "rows",
-            "tokens",
+            "queued", "running", "pool_pages", "pages_used", "cached_pages", "page_size", "steps",
+            "rows", "tokens",
         )
     ]
 

@@ -208,6 +208,9 @@ fn unix_time() -> u64 {
 pub struct End {
     pub finish: &'static str,
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from cached pages (known when the engine finished the request, not
+    /// when a stop string ended it).
+    pub cached_tokens: Option<usize>,
     pub completion_tokens: usize,
 }
 
@@ -261,6 +264,7 @@ fn pump(
                     return Ok(End {
                         finish: "stop",
                         prompt_tokens,
+                        cached_tokens: None,
                         completion_tokens: tokens,
                     });
                 }
@@ -277,6 +281,7 @@ fn pump(
                 return Ok(End {
                     finish: if stop { "stop" } else { "length" },
                     prompt_tokens,
+                    cached_tokens: Some(stats.cached_tokens),
                     completion_tokens: stats.tokens,
                 });
             }
@@ -353,6 +358,7 @@ impl Reply {
             "choices": [choice],
             "usage": {
                 "prompt_tokens": end.prompt_tokens,
+                "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
                 "completion_tokens": end.completion_tokens,
                 "total_tokens": end.prompt_tokens + end.completion_tokens,
             },
