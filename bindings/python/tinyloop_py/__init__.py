@@ -443,6 +443,38 @@ class _Handle:
             self.release()
 
 
+class _Closing:
+    """Closed by its ``close()`` at the end of a ``with`` block, or when collected."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+
+class _Owner(_Closing):
+    """An object that owns a :class:`_Handle` in ``self._h``."""
+
+    _h: Optional[_Handle]
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None or self._h.closed
+
+    def close(self) -> None:
+        """Release the native resources. Idempotent. A call running in another thread is
+        cancelled first; every later call raises :class:`ClosedError` (a RuntimeError)."""
+        if self._h is not None:
+            self._h.close()
+
+
 #: The C names of the methods whose name differs (without the tl_ / tl_session_ prefix).
 _C_NAMES = {
     "build_prefix_cache": "prefix_cache_new",
@@ -451,7 +483,7 @@ _C_NAMES = {
 }
 
 
-class _Runner:
+class _Runner(_Owner):
     """Calls shared by Model (default session) and Session."""
 
     _what = "model"
@@ -480,28 +512,6 @@ class _Runner:
             _check(status, method, self._what)
         finally:
             h.release()
-
-    @property
-    def closed(self) -> bool:
-        return self._h is None or self._h.closed
-
-    def close(self) -> None:
-        """Release the native resources. Idempotent. A call running in another thread is
-        cancelled first; every later call raises :class:`ClosedError` (a RuntimeError)."""
-        if self._h is not None:
-            self._h.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may already be gone
-            pass
 
     def cancel(self) -> None:
         """Stop the call running in another thread: a generation at its next token, a score
@@ -1250,7 +1260,7 @@ class Session(_Runner):
         return self._vocab_size
 
 
-class _Bound:
+class _Bound(_Closing):
     """A prefix cache or resume handle: bound to the model it was built on (closing the model
     releases it), freed by :meth:`close`, the context manager, or garbage collection."""
 
@@ -1292,18 +1302,6 @@ class _Bound:
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
             type(self)._free(ptr)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may already be gone
-            pass
 
 
 class PrefixCache(_Bound):
@@ -1393,7 +1391,7 @@ class Request:
         self._engine._call("cancel", "tl_engine_cancel", ctypes.c_uint64(self.id))
 
 
-class Engine:
+class Engine(_Owner):
     """Many concurrent requests over one :class:`Model`, batched at every step (continuous
     batching, docs/ABI.md "Engines"): each request's tokens are those ``Model.generate`` gives
     it alone. :meth:`submit` may be called from any thread; the engine runs on a thread of its
@@ -1471,27 +1469,10 @@ class Engine:
         self._call("stats", "tl_engine_get_stats", ctypes.byref(out))
         return {name: int(getattr(out, name)) for name, _ in _c.EngineStats._fields_}
 
-    @property
-    def closed(self) -> bool:
-        return self._h is None or self._h.closed
-
     def close(self) -> None:
         """Stop the engine: queued and running requests end with :class:`CancelledError`.
         Idempotent."""
-        if self._h is not None:
-            self._h.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_value, traceback) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may already be gone
-            pass
+        super().close()
 
 
 def load(path: Union[str, "os.PathLike[str]"], **kwargs: Any) -> Model:

@@ -101,65 +101,72 @@ impl Metrics {
                 "tinyloop_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
             );
         }
-        let counters = [
+        let scalars = [
             (
                 "tinyloop_prompt_tokens_total",
+                "counter",
                 "Prompt tokens of finished requests.",
                 self.prompt_tokens.load(Ordering::Relaxed),
             ),
             (
                 "tinyloop_generated_tokens_total",
+                "counter",
                 "Tokens returned by finished requests.",
                 self.completion_tokens.load(Ordering::Relaxed),
             ),
             (
                 "tinyloop_engine_steps_total",
+                "counter",
                 "Steps the engine ran.",
                 engine.steps,
             ),
             (
                 "tinyloop_engine_rows_total",
+                "counter",
                 "Rows the engine's steps carried (prompt and decode).",
                 engine.rows,
             ),
             (
                 "tinyloop_engine_tokens_total",
+                "counter",
                 "Tokens the engine generated.",
                 engine.tokens,
             ),
-        ];
-        for (name, help, value) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
-            );
-        }
-        let gauges = [
             (
                 "tinyloop_queued_requests",
+                "gauge",
                 "Requests waiting for admission.",
-                engine.queued,
+                engine.queued as u64,
             ),
             (
                 "tinyloop_running_requests",
+                "gauge",
                 "Requests running.",
-                engine.running,
+                engine.running as u64,
             ),
             (
                 "tinyloop_kv_pool_pages",
+                "gauge",
                 "Pages of the KV pool.",
-                engine.pool_pages,
+                engine.pool_pages as u64,
             ),
             (
                 "tinyloop_kv_pool_pages_used",
+                "gauge",
                 "Pages held by running requests.",
-                engine.pages_used,
+                engine.pages_used as u64,
+            ),
+            (
+                "tinyloop_kv_pool_pages_cached",
+                "gauge",
+                "Pages nobody holds that keep a prompt prefix for later requests.",
+                engine.cached_pages as u64,
             ),
         ];
-        for (name, help, value) in gauges {
+        for (name, kind, help, value) in scalars {
             let _ = writeln!(
                 out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
             );
         }
         let name = "tinyloop_engine_step_seconds";
