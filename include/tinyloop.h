@@ -446,6 +446,9 @@ typedef struct tl_engine_stats {
     uint64_t steps;
     uint64_t rows;
     uint64_t tokens;
+    // Times a running request gave its KV pages up to older ones (it runs again and gives
+    // the same tokens).
+    uint64_t preemptions;
 } tl_engine_stats;
 
 #ifdef __cplusplus

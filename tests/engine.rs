@@ -414,3 +414,46 @@ fn shared_and_evicted_pages_keep_every_request_equal_to_generation_alone() {
         check_against_sessions(&model, &options, &requests);
     }
 }
+
+#[test]
+fn preempted_requests_continue_with_the_tokens_they_would_have_given() {
+    let model = open_cpu(&synth_file("tiny", 3, 4));
+    // Each request needs 10 of the pool's 12 pages by its end: running them together makes the
+    // newer ones give their pages up, run their prompt and tokens again, and continue.
+    let options = EngineOptions {
+        pool_positions: 48,
+        ..small_steps()
+    };
+    let sampled = |seed| GenerateParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        },
+        ..params(30, 2)
+    };
+    let requests: Vec<_> = (0..4)
+        .map(|i| {
+            let p = if i % 2 == 0 {
+                params(30, 1 + i)
+            } else {
+                sampled(i as u64)
+            };
+            (tokens(9 + i, 256, i as u32), p)
+        })
+        .collect();
+    let engine = Engine::new(&model, &options).unwrap();
+    let submitted: Vec<_> = requests
+        .iter()
+        .map(|(prompt, p)| engine.submit(prompt, p).unwrap())
+        .collect();
+    let mut session = model.new_session().unwrap();
+    for ((prompt, p), sub) in requests.iter().zip(submitted) {
+        let (got, _) = sub.wait().unwrap();
+        assert_eq!(got, session.generate(prompt, p).unwrap());
+    }
+    let stats = engine.stats();
+    assert!(stats.preemptions > 0, "{stats:?}");
+    assert_eq!((stats.running, stats.queued, stats.pages_used), (0, 0, 0));
+}

@@ -55,7 +55,7 @@ type RequestStats struct {
 
 // EngineStats are an engine's queue, running requests, KV pool use and step counts.
 type EngineStats struct {
-	Queued, Running, PoolPages, PagesUsed, CachedPages, PageSize, Steps, Rows, Tokens uint64
+	Queued, Running, PoolPages, PagesUsed, CachedPages, PageSize, Steps, Rows, Tokens, Preemptions uint64
 }
 
 // Request is a submitted request. Its tokens arrive on Tokens, which is closed when the
@@ -202,7 +202,7 @@ func (e *Engine) Stats() (EngineStats, error) {
 		Queued: uint64(s.queued), Running: uint64(s.running), PoolPages: uint64(s.pool_pages),
 		PagesUsed: uint64(s.pages_used), CachedPages: uint64(s.cached_pages),
 		PageSize: uint64(s.page_size), Steps: uint64(s.steps),
-		Rows: uint64(s.rows), Tokens: uint64(s.tokens),
+		Rows: uint64(s.rows), Tokens: uint64(s.tokens), Preemptions: uint64(s.preemptions),
 	}, err
 }
 

@@ -4,9 +4,12 @@
 //! running sequences together: each step takes one decode row of every sequence that is
 //! generating and fills the rest of its row budget with prompt chunks ([`schedule`]), so a
 //! request's prompt is prefilled while others decode. The KV entries of every sequence live in
-//! one pool of fixed-size pages ([`crate::kv::pool`]); a request is admitted when the pages for
-//! its prompt and every token it may generate are free (so it never waits for memory once it
-//! runs), oldest first. Pages of prompt prefixes are shared: a request whose prompt starts with
+//! one pool of fixed-size pages ([`crate::kv::pool`]); a request is admitted, oldest first, when
+//! the pages of its prompt are free, and takes a page for its generated tokens whenever it needs
+//! one. When none is left the newest running requests give theirs up (preemption): such a
+//! request runs again, before any new one, with its prompt and the tokens it had generated as
+//! its prompt, and continues with the tokens it would have given. Pages of prompt prefixes are
+//! shared: a request whose prompt starts with
 //! the tokens of an earlier request's full pages, at the same loops, takes those pages and
 //! starts after them.
 //!
@@ -120,6 +123,9 @@ pub struct EngineStats {
     pub steps: u64,
     pub rows: u64,
     pub tokens: u64,
+    /// Times a running request gave its pages up to older ones (it then runs its prompt and
+    /// the tokens it had generated again, and continues with the tokens it would have given).
+    pub preemptions: u64,
     /// Steps that took at most each bound of [`STEP_MS_BOUNDS`] (cumulative counts; `steps`
     /// counts every step), and the milliseconds of all steps.
     pub step_ms_buckets: [u64; STEP_MS_BOUNDS.len()],

@@ -1,14 +1,13 @@
 //! The engine's thread: admit requests into the KV pool, plan a step, run it, hand out tokens.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::schedule::{self, Demand, Segment};
-use super::{
-    fed_positions, EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State, STEP_MS_BOUNDS,
-};
+use super::{EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State, STEP_MS_BOUNDS};
 use crate::backend::{choose_on_host, Backend, PooledRow, PooledRows};
 use crate::ctx_tier::Tier;
 use crate::error::{Error, Result};
@@ -59,6 +58,11 @@ pub(super) fn start(
 struct Sequence {
     queued: Queued,
     rng: Rng,
+    /// The tokens the sequence runs as its prompt: the request's, and after a preemption also
+    /// the tokens it had generated (their entries are computed again).
+    prompt: Vec<u32>,
+    /// The tokens generated so far.
+    output: Vec<u32>,
     /// Positions whose KV entries are written.
     fed: usize,
     /// Prompt positions whose entries came from cached pages.
@@ -67,18 +71,56 @@ struct Sequence {
     next: Option<u32>,
     generated: usize,
     pages: Vec<u32>,
-    admitted: Instant,
+    /// When the request was first admitted.
+    admitted: Option<Instant>,
     first_token: Option<Instant>,
     /// Set once the sequence has produced all it may.
     finish: Option<Finish>,
 }
 
 impl Sequence {
+    fn new(queued: Queued) -> Sequence {
+        let rng = Rng::new(queued.request.sampling.seed);
+        Sequence {
+            prompt: queued.prompt.clone(),
+            queued,
+            rng,
+            output: Vec::new(),
+            fed: 0,
+            cached: 0,
+            next: None,
+            generated: 0,
+            pages: Vec::new(),
+            admitted: None,
+            first_token: None,
+            finish: None,
+        }
+    }
+
     fn demand(&self) -> Demand {
         Demand {
-            prompt_left: self.queued.prompt.len().saturating_sub(self.fed),
+            prompt_left: self.prompt.len().saturating_sub(self.fed),
             loops: self.queued.request.loops,
         }
+    }
+
+    /// Positions the sequence's next step writes up to: its prompt while prefilling (reserved
+    /// at admission), one more once it decodes.
+    fn next_end(&self) -> usize {
+        if self.fed < self.prompt.len() {
+            self.prompt.len()
+        } else {
+            self.fed + 1
+        }
+    }
+
+    /// Give up the sequence's pages to make room for older ones: it will run its prompt and
+    /// what it has generated again as its prompt, and then continue as it would have.
+    fn preempt(&mut self, pool: &mut PagePool) {
+        pool.release(&mut self.pages);
+        self.prompt = [&self.queued.prompt[..], &self.output[..]].concat();
+        self.fed = 0;
+        self.next = None;
     }
 
     /// Send an event; false when nobody listens any more (the receiver was dropped).
@@ -93,7 +135,7 @@ impl Sequence {
             cached_tokens: self.cached,
             tokens: self.generated,
             finish,
-            queue_ms: since(self.admitted),
+            queue_ms: self.admitted.map_or(0.0, since),
             first_token_ms: self.first_token.map_or(0.0, since),
             total_ms: since(Instant::now()),
         }
@@ -119,7 +161,7 @@ fn step_rows<'a>(running: &'a [Sequence], plan: &[Segment]) -> Step<'a> {
             let position = seq.fed + r;
             let token = match seq.next {
                 Some(token) if s.decode => token,
-                _ => seq.queued.prompt[position],
+                _ => seq.prompt[position],
             };
             step.tokens.push(token);
             step.places.push(PooledRow {
@@ -175,21 +217,37 @@ fn serve<B: Backend>(
     account(&buf);
     let _ = ready.send(Ok(()));
     let mut running: Vec<Sequence> = Vec::new();
+    let mut preempted: VecDeque<Sequence> = VecDeque::new();
     loop {
         {
             let mut state = inbox.lock();
-            while state.queue.is_empty() && running.is_empty() && !state.shutdown {
+            while state.queue.is_empty()
+                && running.is_empty()
+                && preempted.is_empty()
+                && !state.shutdown
+            {
                 state = inbox.wait(state);
             }
             if state.shutdown {
                 break;
             }
             drop_cancelled_queued(&mut state);
-            admit(&mut state, &mut running, &mut pool, options.max_running);
+            let max_running = options.max_running;
+            admit(
+                &mut state,
+                &mut preempted,
+                &mut running,
+                &mut pool,
+                max_running,
+            );
         }
         // Requests that end in this iteration hear it once the stats say so.
         let mut ended = Vec::new();
         drop_cancelled(&mut running, &mut pool, &mut ended);
+        let mut waiting: Vec<Sequence> = preempted.drain(..).collect();
+        drop_cancelled(&mut waiting, &mut pool, &mut ended);
+        preempted.extend(waiting);
+        let preemptions = make_room(&mut running, &mut preempted, &mut pool);
         let plan = schedule::plan(
             &running.iter().map(Sequence::demand).collect::<Vec<_>>(),
             options.max_step_rows,
@@ -226,6 +284,7 @@ fn serve<B: Backend>(
         }
         stats.rows += rows as u64;
         stats.tokens += tokens as u64;
+        stats.preemptions += preemptions as u64;
         for end in &ended {
             state.live.remove(&end.id);
         }
@@ -240,7 +299,7 @@ fn serve<B: Backend>(
         state.live.remove(&q.id);
         let _ = q.events.send(Event::Failed(Error::Cancelled));
     }
-    for seq in running {
+    for seq in running.into_iter().chain(preempted) {
         state.live.remove(&seq.queued.id);
         seq.send(Event::Failed(Error::Cancelled));
     }
@@ -296,55 +355,95 @@ fn drop_cancelled(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut 
     );
 }
 
-/// Admit queued requests, oldest first, while a place is free and the pool has the pages of
-/// every position the request may write. The request takes the cached pages of its prompt's
-/// prefix (all but its last token, which must run to give the first token's logits) and starts
-/// after them.
-fn admit(state: &mut State, running: &mut Vec<Sequence>, pool: &mut PagePool, max_running: usize) {
+/// Admit preempted sequences first, then queued requests oldest first, while a place is free
+/// and the pool has the pages of the prompt (decode pages are taken as the sequence grows,
+/// [`make_room`]). A sequence takes the cached pages of its prompt's prefix (all but its last
+/// token, which must run to give the next token's logits) and starts after them.
+fn admit(
+    state: &mut State,
+    preempted: &mut VecDeque<Sequence>,
+    running: &mut Vec<Sequence>,
+    pool: &mut PagePool,
+    max_running: usize,
+) {
     while running.len() < max_running {
-        let Some(front) = state.queue.front() else {
-            break;
-        };
-        let (prompt, loops) = (&front.prompt, front.request.loops);
-        let page = pool.page_size();
-        let mut pages = Vec::new();
-        for end in (page..prompt.len()).step_by(page) {
-            match pool.share(&(loops, prompt[..end].to_vec())) {
-                Some(p) => pages.push(p),
+        let mut seq = match preempted.pop_front() {
+            Some(seq) => seq,
+            None => match state.queue.pop_front() {
+                Some(queued) => Sequence::new(queued),
                 None => break,
-            }
-        }
-        let shared = pages.len() * page;
-        let positions = fed_positions(prompt.len(), front.request.max_tokens);
-        if !pool.grow(&mut pages, positions) {
-            pool.release(&mut pages);
-            break;
-        }
-        let Some(queued) = state.queue.pop_front() else {
-            break;
+            },
         };
-        let rng = Rng::new(queued.request.sampling.seed);
-        running.push(Sequence {
-            queued,
-            rng,
-            fed: shared,
-            cached: shared,
-            next: None,
-            generated: 0,
-            pages,
-            admitted: Instant::now(),
-            first_token: None,
-            finish: None,
-        });
+        if !take_prompt_pages(&mut seq, pool) {
+            // Not yet: it keeps its place at the front.
+            if seq.admitted.is_none() {
+                state.queue.push_front(seq.queued);
+            } else {
+                preempted.push_front(seq);
+            }
+            break;
+        }
+        running.push(seq);
     }
-    state.stats.queued = state.queue.len();
+    state.stats.queued = state.queue.len() + preempted.len();
+}
+
+/// The pages of `seq`'s prompt: the cached ones of its prefix, then new ones; false (and
+/// nothing held) when the pool cannot give them.
+fn take_prompt_pages(seq: &mut Sequence, pool: &mut PagePool) -> bool {
+    let (prompt, loops) = (&seq.prompt, seq.queued.request.loops);
+    let page = pool.page_size();
+    let mut pages = Vec::new();
+    for end in (page..prompt.len()).step_by(page) {
+        match pool.share(&(loops, prompt[..end].to_vec())) {
+            Some(p) => pages.push(p),
+            None => break,
+        }
+    }
+    let shared = pages.len() * page;
+    if !pool.grow(&mut pages, prompt.len()) {
+        pool.release(&mut pages);
+        return false;
+    }
+    if seq.admitted.is_none() {
+        seq.cached = shared;
+        seq.admitted = Some(Instant::now());
+    }
+    (seq.pages, seq.fed) = (pages, shared);
+    true
+}
+
+/// Give every running sequence the pages of the positions its next step writes, oldest first;
+/// when the pool has none left, the newest sequences give theirs up (they run again later,
+/// before any new request). Returns how many were preempted.
+fn make_room(
+    running: &mut Vec<Sequence>,
+    preempted: &mut VecDeque<Sequence>,
+    pool: &mut PagePool,
+) -> usize {
+    let mut count = 0;
+    let mut i = 0;
+    while i < running.len() {
+        let end = running[i].next_end();
+        if pool.grow(&mut running[i].pages, end) {
+            i += 1;
+            continue;
+        }
+        // The newest gives way (possibly the sequence itself).
+        if let Some(mut newest) = running.pop() {
+            newest.preempt(pool);
+            preempted.push_front(newest);
+            count += 1;
+        }
+    }
+    count
 }
 
 /// Register the pages that `seq`'s last step filled with prompt tokens, for later requests
 /// with the same prefix.
 fn register_prompt_pages(seq: &Sequence, before: usize, pool: &mut PagePool) {
     let page = pool.page_size();
-    let prompt = &seq.queued.prompt;
+    let prompt = &seq.prompt;
     let full = seq.fed.min(prompt.len()) / page;
     for k in before / page..full {
         let key = (seq.queued.request.loops, prompt[..(k + 1) * page].to_vec());
@@ -374,7 +473,7 @@ fn run_step<B: Backend>(
     let vocab = w.config.vocab_size;
     let last_row = |s: &Segment| {
         let seq = &running[s.sequence];
-        let prompt_done = seq.fed + s.rows == seq.queued.prompt.len();
+        let prompt_done = seq.fed + s.rows == seq.prompt.len();
         (s.decode || prompt_done).then_some(s.first_row + s.rows - 1)
     };
     let wanted: Vec<Option<usize>> = plan.iter().map(last_row).collect();
@@ -421,6 +520,7 @@ fn hand_out(
             continue;
         }
         seq.generated += 1;
+        seq.output.push(token);
         handed += 1;
         if !seq.send(Event::Token(token)) {
             seq.queued.cancel.store(true, Ordering::Release);

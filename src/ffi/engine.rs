@@ -120,6 +120,9 @@ pub struct tl_engine_stats {
     pub steps: u64,
     pub rows: u64,
     pub tokens: u64,
+    /// Times a running request gave its KV pages up to older ones (it runs again and gives
+    /// the same tokens).
+    pub preemptions: u64,
 }
 
 fn default_engine_params() -> tl_engine_params {
@@ -397,6 +400,7 @@ pub unsafe extern "C" fn tl_engine_get_stats(
             steps,
             rows,
             tokens,
+            preemptions,
             ..
         } = open.engine.stats();
         let stats = tl_engine_stats {
@@ -409,6 +413,7 @@ pub unsafe extern "C" fn tl_engine_get_stats(
             steps,
             rows,
             tokens,
+            preemptions,
         };
         // SAFETY: non-NULL and writable by the caller's contract.
         unsafe { write_out(out_stats, stats) };

@@ -1464,7 +1464,7 @@ class Engine(_Owner):
 
     def stats(self) -> Dict[str, int]:
         """``queued``, ``running``, ``pool_pages``, ``pages_used``, ``cached_pages``,
-        ``page_size``, ``steps``, ``rows`` and ``tokens`` now."""
+        ``page_size``, ``steps``, ``rows``, ``tokens`` and ``preemptions`` now."""
         out = _c.EngineStats()
         self._call("stats", "tl_engine_get_stats", ctypes.byref(out))
         return {name: int(getattr(out, name)) for name, _ in _c.EngineStats._fields_}

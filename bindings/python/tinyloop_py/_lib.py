@@ -227,7 +227,7 @@ class EngineStats(ctypes.Structure):
         (name, ctypes.c_uint64)
         for name in (
             "queued", "running", "pool_pages", "pages_used", "cached_pages", "page_size", "steps",
-            "rows", "tokens",
+            "rows", "tokens", "preemptions",
         )
     ]
 

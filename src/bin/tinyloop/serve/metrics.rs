@@ -133,6 +133,12 @@ impl Metrics {
                 engine.tokens,
             ),
             (
+                "tinyloop_engine_preemptions_total",
+                "counter",
+                "Requests that gave their KV pages up to older ones.",
+                engine.preemptions,
+            ),
+            (
                 "tinyloop_queued_requests",
                 "gauge",
                 "Requests waiting for admission.",
