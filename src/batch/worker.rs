@@ -31,12 +31,25 @@ pub(super) fn start(
     let (ready, started) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("tinyloop-engine".into())
-        .spawn(move || match &shared.on_device {
-            OnDevice::Cpu(l) => serve(&shared, &l.backend, &l.weights, &inbox, &options, ready),
-            OnDevice::Cuda(l) => match l.backend.session(&l.weights.config) {
-                Ok(backend) => serve(&shared, &backend, &l.weights, &inbox, &options, ready),
-                Err(e) => drop(ready.send(Err(e))),
-            },
+        .spawn(move || {
+            let run = || match &shared.on_device {
+                OnDevice::Cpu(l) => serve(&shared, &l.backend, &l.weights, &inbox, &options, ready),
+                OnDevice::Cuda(l) => match l.backend.session(&l.weights.config) {
+                    Ok(backend) => serve(&shared, &backend, &l.weights, &inbox, &options, ready),
+                    Err(e) => drop(ready.send(Err(e))),
+                },
+            };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err() {
+                // A bug. The running requests saw their channels close; the queued ones and
+                // every later submit hear that the engine is gone.
+                let mut state = inbox.lock();
+                state.shutdown = true;
+                for q in std::mem::take(&mut state.queue) {
+                    state.live.remove(&q.id);
+                    let e = Error::Device("the engine's thread panicked".into());
+                    let _ = q.events.send(Event::Failed(e));
+                }
+            }
         })
         .map_err(|e| Error::Device(format!("cannot start the engine's thread: {e}")))?;
     match started.recv() {
