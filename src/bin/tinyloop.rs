@@ -128,10 +128,10 @@ enum ModelCommand {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// auto, cpu, cuda or cuda:N (default: TINYLOOP_DEVICE, else auto; the engine runs on the
-    /// CPU for now).
-    #[arg(long)]
-    device: Option<Device>,
+    /// The device: the engine runs on the CPU for now, so this is cpu (the default) or auto
+    /// where auto finds no GPU.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
     /// Upper bound on prompt + generated tokens of a request (default: 2048, or the model's
     /// max_position when that is smaller).
     #[arg(long, value_name = "N", value_parser = whole::<usize>(1, MAX))]
@@ -962,7 +962,7 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
 fn serve_model(path: &PathBuf, args: ServeArgs) -> Result<()> {
     let options = ModelOptions {
         max_seq_len: args.max_seq_len.unwrap_or(0),
-        device: args.device,
+        device: Some(args.device),
         kv_mode: args.kv,
         log: !args.quiet,
         ..ModelOptions::default()
