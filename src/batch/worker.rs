@@ -278,6 +278,7 @@ fn serve<B: Backend>(
         finish_ended(&mut running, &mut pool, &mut ended);
         account(&buf);
         let mut state = inbox.lock();
+        state.stats.queued = state.queue.len() + preempted.len();
         let stats = &mut state.stats;
         stats.running = running.len();
         stats.pages_used = pool.pages() - pool.free_pages();
