@@ -17,6 +17,19 @@ fn params(max_tokens: usize, loops: usize) -> GenerateParams {
     }
 }
 
+/// Sampling with a seed (temperature 0.9, top-k 40, top-p 0.95).
+fn sampled(seed: u64, max_tokens: usize, loops: usize) -> GenerateParams {
+    GenerateParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        },
+        ..params(max_tokens, loops)
+    }
+}
+
 fn small_steps() -> EngineOptions {
     // Few rows per step: prompts are cut into chunks and share steps with decode rows.
     EngineOptions {
@@ -113,18 +126,7 @@ fn int8_and_delta_pools_equal_sessions_in_the_same_mode() {
 fn sampled_requests_equal_sampling_alone() {
     let model = open_cpu(&synth_file("tiny", 5, 4));
     let requests: Vec<_> = (0..4)
-        .map(|i| {
-            let p = GenerateParams {
-                sampling: SamplingParams {
-                    temperature: 0.9,
-                    top_k: 40,
-                    top_p: 0.95,
-                    seed: 10 + i,
-                },
-                ..params(12, 3)
-            };
-            (tokens(5 + i as usize, 256, 7), p)
-        })
+        .map(|i| (tokens(5 + i as usize, 256, 7), sampled(10 + i, 12, 3)))
         .collect();
     check_against_sessions(&model, &small_steps(), &requests);
 }
@@ -424,21 +426,12 @@ fn preempted_requests_continue_with_the_tokens_they_would_have_given() {
         pool_positions: 48,
         ..small_steps()
     };
-    let sampled = |seed| GenerateParams {
-        sampling: SamplingParams {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            seed,
-        },
-        ..params(30, 2)
-    };
     let requests: Vec<_> = (0..4)
         .map(|i| {
             let p = if i % 2 == 0 {
                 params(30, 1 + i)
             } else {
-                sampled(i as u64)
+                sampled(i as u64, 30, 2)
             };
             (tokens(9 + i, 256, i as u32), p)
         })

@@ -2153,6 +2153,9 @@ fn engine_bad_input_is_a_clear_error() {
     let status = unsafe { tl_engine_get_stats(ptr::null(), &mut tl_engine_stats::default()) };
     assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
     assert!(last_error().contains("engine is NULL"));
+    let status = unsafe { tl_engine_get_stats(engine.0, ptr::null_mut()) };
+    assert_eq!(status, tl_status::TL_ERR_INVALID_ARGUMENT);
+    assert!(last_error().contains("out_stats is NULL"));
     // A model handle is not an engine handle.
     assert_eq!(
         tl_engine_cancel(model.0.cast(), 0),

@@ -94,12 +94,9 @@ pub struct PooledRow<'a> {
     pub table: &'a [u32],
 }
 
-impl PooledRows<'_> {
-    /// The pool index of position `t` of row `r`'s sequence.
-    pub fn index(&self, r: usize, t: usize) -> usize {
-        let page = self.rows[r].table[t / self.page_size] as usize;
-        page * self.page_size + t % self.page_size
-    }
+/// The pool index of position `t` of a sequence with page table `table`.
+pub fn pool_index(table: &[u32], page_size: usize, t: usize) -> usize {
+    table[t / page_size] as usize * page_size + t % page_size
 }
 
 /// How the next token is chosen from a row of logits.

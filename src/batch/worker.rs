@@ -1,6 +1,5 @@
 //! The engine's thread: admit requests into the KV pool, plan a step, run it, hand out tokens.
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -82,7 +81,6 @@ struct Sequence {
     cached: usize,
     /// The last generated token, to be fed next (none while the prompt is being fed).
     next: Option<u32>,
-    generated: usize,
     pages: Vec<u32>,
     /// When the request was first admitted.
     admitted: Option<Instant>,
@@ -102,7 +100,6 @@ impl Sequence {
             fed: 0,
             cached: 0,
             next: None,
-            generated: 0,
             pages: Vec::new(),
             admitted: None,
             first_token: None,
@@ -146,7 +143,7 @@ impl Sequence {
         RequestStats {
             prompt_tokens: self.queued.prompt.len(),
             cached_tokens: self.cached,
-            tokens: self.generated,
+            tokens: self.output.len(),
             finish,
             queue_ms: self.admitted.map_or(0.0, since),
             first_token_ms: self.first_token.map_or(0.0, since),
@@ -230,7 +227,8 @@ fn serve<B: Backend>(
     account(&buf);
     let _ = ready.send(Ok(()));
     let mut running: Vec<Sequence> = Vec::new();
-    let mut preempted: VecDeque<Sequence> = VecDeque::new();
+    // Preempted sequences; the last one pushed (the oldest of a step's preemptions) resumes first.
+    let mut preempted: Vec<Sequence> = Vec::new();
     loop {
         {
             let mut state = inbox.lock();
@@ -257,9 +255,7 @@ fn serve<B: Backend>(
         // Requests that end in this iteration hear it once the stats say so.
         let mut ended = Vec::new();
         drop_cancelled(&mut running, &mut pool, &mut ended);
-        let mut waiting: Vec<Sequence> = preempted.drain(..).collect();
-        drop_cancelled(&mut waiting, &mut pool, &mut ended);
-        preempted.extend(waiting);
+        drop_cancelled(&mut preempted, &mut pool, &mut ended);
         let preemptions = make_room(&mut running, &mut preempted, &mut pool);
         let plan = schedule::plan(
             &running.iter().map(Sequence::demand).collect::<Vec<_>>(),
@@ -375,13 +371,13 @@ fn drop_cancelled(running: &mut Vec<Sequence>, pool: &mut PagePool, ended: &mut 
 /// token, which must run to give the next token's logits) and starts after them.
 fn admit(
     state: &mut State,
-    preempted: &mut VecDeque<Sequence>,
+    preempted: &mut Vec<Sequence>,
     running: &mut Vec<Sequence>,
     pool: &mut PagePool,
     max_running: usize,
 ) {
     while running.len() < max_running {
-        let mut seq = match preempted.pop_front() {
+        let mut seq = match preempted.pop() {
             Some(seq) => seq,
             None => match state.queue.pop_front() {
                 Some(queued) => Sequence::new(queued),
@@ -393,7 +389,7 @@ fn admit(
             if seq.admitted.is_none() {
                 state.queue.push_front(seq.queued);
             } else {
-                preempted.push_front(seq);
+                preempted.push(seq);
             }
             break;
         }
@@ -432,7 +428,7 @@ fn take_prompt_pages(seq: &mut Sequence, pool: &mut PagePool) -> bool {
 /// before any new request). Returns how many were preempted.
 fn make_room(
     running: &mut Vec<Sequence>,
-    preempted: &mut VecDeque<Sequence>,
+    preempted: &mut Vec<Sequence>,
     pool: &mut PagePool,
 ) -> usize {
     let mut count = 0;
@@ -446,7 +442,7 @@ fn make_room(
         // The newest gives way (possibly the sequence itself).
         if let Some(mut newest) = running.pop() {
             newest.preempt(pool);
-            preempted.push_front(newest);
+            preempted.push(newest);
             count += 1;
         }
     }
@@ -533,14 +529,13 @@ fn hand_out(
             seq.finish = Some(Finish::Stop);
             continue;
         }
-        seq.generated += 1;
         seq.output.push(token);
         handed += 1;
         if !seq.send(Event::Token(token)) {
             seq.queued.cancel.store(true, Ordering::Release);
         }
         seq.next = Some(token);
-        if seq.generated == seq.queued.request.max_tokens {
+        if seq.output.len() == seq.queued.request.max_tokens {
             seq.finish = Some(Finish::Length);
         }
     }

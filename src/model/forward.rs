@@ -315,15 +315,27 @@ pub fn stage<B: Backend>(
     for mv in buf.kv.advance_tiers(input.start_pos, end) {
         backend.kv_move(&mut buf.kv, &mv);
     }
-    let arch = &w.config.architecture;
-    if arch.loop_state == LoopState::Random {
-        let dim = w.config.dim;
-        let mut states = crate::alloc::zeroed::<f32>(rows * dim, "initial loop states")?;
-        buf.state_init
-            .fill(arch, input.start_pos, rows, dim, &mut states);
-        backend.write_float(&mut buf.initial_state, &states)?;
-    }
+    write_initial_states(backend, w, buf, input.start_pos..end)?;
     backend.set_step(&mut buf.step, input, buf.kv.bounds)
+}
+
+/// With a random loop state, draw the initial state of each staged row at its position.
+fn write_initial_states<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    positions: impl ExactSizeIterator<Item = usize>,
+) -> Result<()> {
+    let arch = &w.config.architecture;
+    if arch.loop_state != LoopState::Random {
+        return Ok(());
+    }
+    let dim = w.config.dim;
+    let mut states = crate::alloc::zeroed::<f32>(positions.len() * dim, "initial loop states")?;
+    for (position, state) in positions.zip(states.chunks_exact_mut(dim)) {
+        buf.state_init.fill(arch, position, 1, dim, state);
+    }
+    backend.write_float(&mut buf.initial_state, &states)
 }
 
 /// Stage a step over a KV pool ([`crate::kv::pool`]): row r is `tokens[r]` at position
@@ -355,15 +367,7 @@ pub fn stage_pooled<B: Backend>(
         ));
     }
     buf.reserve_kv(backend, buf.kv.layout.slots(loops[0]))?;
-    let arch = &w.config.architecture;
-    if arch.loop_state == LoopState::Random {
-        let dim = w.config.dim;
-        let mut states = crate::alloc::zeroed::<f32>(rows * dim, "initial loop states")?;
-        for (row, state) in places.rows.iter().zip(states.chunks_exact_mut(dim)) {
-            buf.state_init.fill(arch, row.position, 1, dim, state);
-        }
-        backend.write_float(&mut buf.initial_state, &states)?;
-    }
+    write_initial_states(backend, w, buf, places.rows.iter().map(|r| r.position))?;
     let input = StepInput {
         tokens,
         start_pos: 0,

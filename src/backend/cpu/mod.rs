@@ -8,8 +8,8 @@ mod linear;
 use half::f16;
 
 use super::{
-    choose_on_host, Backend, Choice, HostLinear, NormLayer, OwnedLinear, PooledRows, Residual,
-    StepInput,
+    choose_on_host, pool_index, Backend, Choice, HostLinear, NormLayer, OwnedLinear, PooledRows,
+    Residual, StepInput,
 };
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -36,9 +36,8 @@ pub struct CpuBackend;
 pub struct CpuStep {
     tokens: Vec<u32>,
     start_pos: usize,
-    /// For a step over a KV pool: each row's position, and the pool index of every position of
-    /// its sequence up to it.
-    places: Option<Vec<(usize, Vec<usize>)>>,
+    /// For a step over a KV pool, where its rows live.
+    places: Option<Places>,
     choice: Choice,
     chosen: u32,
     /// The tokens of the last `argmax_rows`.
@@ -47,12 +46,18 @@ pub struct CpuStep {
     entropies: Vec<f32>,
 }
 
+/// The rows of a step over a KV pool: each row's position and its sequence's page table.
+struct Places {
+    page_size: usize,
+    rows: Vec<(usize, Vec<u32>)>,
+}
+
 impl CpuStep {
     /// The position of row `r` in its sequence.
     fn position(&self, r: usize) -> usize {
         match &self.places {
             None => self.start_pos + r,
-            Some(places) => places[r].0,
+            Some(places) => places.rows[r].0,
         }
     }
 
@@ -60,7 +65,7 @@ impl CpuStep {
     fn index(&self, r: usize, t: usize) -> usize {
         match &self.places {
             None => t,
-            Some(places) => places[r].1[t],
+            Some(places) => pool_index(&places.rows[r].1, places.page_size, t),
         }
     }
 }
@@ -212,14 +217,14 @@ impl Backend for CpuBackend {
     }
 
     fn set_places(&self, step: &mut CpuStep, places: PooledRows) -> Result<()> {
-        let rows = (0..places.rows.len()).map(|r| {
-            let position = places.rows[r].position;
-            (
-                position,
-                (0..=position).map(|t| places.index(r, t)).collect(),
-            )
+        step.places = Some(Places {
+            page_size: places.page_size,
+            rows: places
+                .rows
+                .iter()
+                .map(|r| (r.position, r.table.to_vec()))
+                .collect(),
         });
-        step.places = Some(rows.collect());
         Ok(())
     }
 
