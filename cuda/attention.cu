@@ -3,11 +3,15 @@
 // cache layout (kv.cuh: INT8, delta chains, age tiers), summed over the application's chain.
 // Multi-row steps of the fp16 mode go to flash.cu instead when it takes the head dimension.
 //
-// grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..start_pos + r, read
-// from the step block in device memory (so a captured decode graph replays at any position).
-// With splits > 1 (decode) each block takes one slice of the positions and writes a partial
-// (max, sum, un-normalized output); the last of the split blocks to finish merges them
-// (flash-decoding, with the combine fused through a ticket counter).
+// grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..=row_position(r) of
+// its sequence, read from the step block in device memory (so a captured decode graph replays at
+// any position); in a step over a KV pool each row reads its own sequence's entries through its
+// page table (common.cuh `entry_index`). With splits > 1 each block takes one slice of the
+// positions and writes a partial (max, sum, un-normalized output); the last of the split blocks
+// to finish merges them (flash-decoding, with the combine fused through a ticket counter). The
+// slices are the positions cut in `splits` (span 0), or in slices of `span` positions, of which
+// a row uses as many as its positions fill: then a row's result depends on its position only,
+// never on the rows it runs with.
 //
 // With `depth` set (a depth mask, src/kv/mod.rs `Depths`), positions t with depth[t] < need did
 // not reach this slot's loop iteration: their scores are -inf, so they take no weight. A warp or
@@ -113,7 +117,8 @@ DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
 template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
 DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
                    int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
-                   const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits, f16_t* __restrict__ out, float* partial, int* tickets,
+                   const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits,
+                   int span, f16_t* __restrict__ out, float* partial, int* tickets,
                    const float* __restrict__ rope, const QuantKv& qk,
                    const unsigned* __restrict__ depth, unsigned need) {
     __shared__ __align__(16) float sq[ATT_MAX_HD];
@@ -130,8 +135,10 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
-    const int total = step[STEP_START_POS] + r + 1;
-    const int per = (((total + splits - 1) / splits) + 31) & ~31;
+    const int total = row_position(step, r) + 1;
+    const int per = span > 0 ? span : (((total + splits - 1) / splits) + 31) & ~31;
+    const int active = span > 0 ? (total + span - 1) / span : splits;
+    if (s >= active) return;
     const int t_begin = s * per;
     const int t_end = min(total, t_begin + per);
     const int kvh = h / (n_heads / n_kv_heads);
@@ -161,8 +168,9 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         }
         __syncthreads();
         if (own >= 0 && h % (n_heads / n_kv_heads) == 0) {
-            f16_t* kd = (f16_t*)K + (size_t)own * kv_dim;
-            f16_t* vd = (f16_t*)V + (size_t)own * kv_dim;
+            const size_t entry = (size_t)entry_index(step, r, own) * kv_dim;
+            f16_t* kd = (f16_t*)K + entry;
+            f16_t* vd = (f16_t*)V + entry;
             for (int i = threadIdx.x; i < hd; i += blockDim.x) {
                 kd[i] = sk[i];
                 vd[i] = sv[i];
@@ -183,7 +191,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         float score = NEG_INF;
         if (Q && t < t_end) {
             const KvTierDesc& tr = st[kv_tier_of(t, step)];
-            const int ring_t = kv_ring(t, tr.ring);
+            const int ring_t = kv_ring(entry_index(step, r, t), tr.ring);
             const int gb = kv_group_bytes((int)tr.codes, hd);
             const u8* k0 = qk.base + tr.codes_off[0] + ring_t * tr.row_bytes + (size_t)kvh * gb;
             const u8* s0 = qk.base + tr.scales_off[0] + ring_t * tr.scale_row_bytes;
@@ -199,7 +207,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
             v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
         } else if (!Q && t < t_end) {
-            const f16_t* k = t == own ? sk : K + (size_t)t * kv_dim;
+            const f16_t* k = t == own ? sk : K + (size_t)entry_index(step, r, t) * kv_dim;
             float dot = 0.0f;
             if (vec) {
                 // All of the row's 16-byte loads first (hd <= 32 * DJ), then the products.
@@ -284,7 +292,8 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
                 const int tv = t0 + j0 + jj;
-                const f16_t* vr = tv == own ? sv : V + (size_t)tv * kv_dim;
+                const f16_t* vr = tv == own ? sv
+                                  : V + (size_t)entry_index(step, r, min(tv, t_end - 1)) * kv_dim;
 #pragma unroll
                 for (int j = 0; j < DJ; j++) {
                     const int d = lane + 32 * j;
@@ -317,18 +326,18 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     float L = 0.0f;
     for (int w = 0; w < ATT_WARPS; w++)
         if (sl[w] > 0.0f) L += sl[w] * expf(sm[w] - M);
-    float* P = splits > 1 ? partial + (((size_t)r * n_heads + h) * splits + s) * (hd + 2) : nullptr;
+    float* P = active > 1 ? partial + (((size_t)r * n_heads + h) * splits + s) * (hd + 2) : nullptr;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float a = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++)
             if (sl[w] > 0.0f) a += sacc[w][d] * expf(sm[w] - M);
-        if (splits == 1) {
+        if (active == 1) {
             out[(size_t)r * q_dim + (size_t)h * hd + d] = f32_to_f16(__fdiv_rn(a, L));
         } else {
             P[2 + d] = a;
         }
     }
-    if (splits == 1) return;
+    if (active == 1) return;
     // Publish this split's partial; the last split block of (row, head) to finish merges them
     // (ticket taken after a fence), so no separate combine launch is needed.
     __shared__ bool last;
@@ -339,11 +348,11 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     __threadfence();
     __syncthreads();
     int* ticket = tickets + (size_t)r * n_heads + h;
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == splits - 1;
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == active - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    combine_splits(partial + ((size_t)r * n_heads + h) * splits * (hd + 2), hd, splits,
+    combine_splits(partial + ((size_t)r * n_heads + h) * splits * (hd + 2), hd, active,
                    out + (size_t)r * q_dim + (size_t)h * hd);
     if (threadIdx.x == 0) *ticket = 0;
 }
@@ -353,18 +362,19 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 #define ATTENTION_KERNEL(DJ)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, f16_t* out, \
-        float* partial, int* tickets, const float* rope, const unsigned* depth, unsigned need) {   \
+        const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, int span,   \
+        f16_t* out, float* partial, int* tickets, const float* rope, const unsigned* depth,        \
+        unsigned need) {                                                                           \
         const QuantKv none = {};                                                                   \
         attention<DJ, false>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, slot_stride, \
-                             splits, out, partial, tickets, rope, none, depth, need);              \
+                             splits, span, out, partial, tickets, rope, none, depth, need);        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_q_dj##DJ(                  \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        int splits, f16_t* out, float* partial, int* tickets, const unsigned* depth,               \
+        int splits, int span, f16_t* out, float* partial, int* tickets, const unsigned* depth,     \
         unsigned need, const __grid_constant__ QuantKv qk) {                                       \
         attention<DJ, true>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr, 0, 0,     \
-                            splits, out, partial, tickets, nullptr, qk, depth, need);              \
+                            splits, span, out, partial, tickets, nullptr, qk, depth, need);        \
     }
 
 ATTENTION_KERNEL(1)

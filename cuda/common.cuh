@@ -28,7 +28,26 @@ typedef unsigned long long u64;
 #define STEP_DRAW_HI 23  //   and high word
 #define STEP_MID_END 24  // KV age tiers: positions below this are in the INT4 tier (src/kv)
 #define STEP_OLD_END 25  //   and below this in the FP8-scale tier
-#define STEP_TOKENS 26
+#define STEP_PAGE_SIZE 26 // a step over a KV pool: positions per page (0: rows are start_pos + r)
+#define STEP_PLACES 27    //   and the word where its places begin (row_position, entry_index)
+#define STEP_TOKENS 28
+
+// Position of row r in its sequence: start_pos + r, or in a step over a KV pool the row's own.
+// A pooled step's places are rows positions, then rows offsets (from the places' start) of each
+// row's page table, then the page tables (src/backend/cuda/step.rs `stage_places`).
+DEV int row_position(const int* step, int r) {
+    return step[STEP_PAGE_SIZE] ? step[step[STEP_PLACES] + r] : step[STEP_START_POS] + r;
+}
+
+// Where the entry of position t of row r's sequence is in the cache: t itself, or in a step
+// over a KV pool its page's index times the page size plus its place in the page.
+DEV int entry_index(const int* step, int r, int t) {
+    const int page = step[STEP_PAGE_SIZE];
+    if (page == 0) return t;
+    const int* places = step + step[STEP_PLACES];
+    const int* table = places + places[step[STEP_ROWS] + r];
+    return table[t / page] * page + t % page;
+}
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 

@@ -136,7 +136,7 @@ extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int lay
 }
 
 // Rotate the Q and K heads of each row at its position (pairs (i, i + hd/2)), then write K and V,
-// rounded to f16, into `slot` of the cache (K at kc + slot * slot_stride, V likewise). Rotated Q
+// rounded to f16, into `slot` of the cache at the row's entry (K at kc + slot * slot_stride, V likewise). Rotated Q
 // goes back into qkv; rotated K only into the cache (nothing reads it from qkv again). With
 // first_head = n_heads the Q heads are left as they are: the flash attention kernel rotates them
 // as it loads them.
@@ -152,11 +152,11 @@ extern "C" __global__ void rope_kv(float* __restrict__ qkv, const int* __restric
     kernel_start();
     const int r = blockIdx.x;
     const int p = blockIdx.y * blockDim.x + threadIdx.x;
-    const int pos = step[STEP_START_POS] + r;
+    const int pos = row_position(step, r);
     const int half = hd / 2;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
-    const size_t at = (size_t)slot * slot_stride + (size_t)pos * kv_dim;
+    const size_t at = (size_t)slot * slot_stride + (size_t)entry_index(step, r, pos) * kv_dim;
     const int per_head = half / width;
     const int items = (n_heads + n_kv_heads - first_head) * per_head;
     if (p < items) {
@@ -292,17 +292,23 @@ DEV void arg_reduce(float& bv, int& bi, float* sv, int* si) {
     }
 }
 
-// result[0] = argmax of x[0..len). grid (G <= 256 blocks), 256 threads: block g reduces a
-// contiguous slice to one candidate in part_v/part_i[g]; the last block to finish (a ticket
-// taken after a memory fence) reduces the G candidates and resets the ticket for the next launch.
-// Ties go to the lowest index whichever block finishes last, so the result is deterministic.
+// result[r] = argmax of row r of x (rows of `len` values). grid (G, rows), 256 threads: block g
+// of row r reduces a contiguous slice of the row to one candidate in part_v/part_i[r * G + g];
+// the last of the row's blocks to finish (a ticket taken after a memory fence) reduces the G
+// candidates and resets the row's ticket for the next launch. With G = 1 the block writes the
+// result itself. Ties go to the lowest index whichever block finishes last, so the result is
+// deterministic.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, float* part_v,
-                                      int* part_i, int* ticket, int* __restrict__ result) {
+                                      int* part_i, int* tickets, int* __restrict__ result) {
     kernel_start();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;
-    const int per = (len + gridDim.x - 1) / gridDim.x;
+    const int G = gridDim.x, r = blockIdx.y;
+    x += (size_t)r * len;
+    part_v += (size_t)r * G;
+    part_i += (size_t)r * G;
+    const int per = (len + G - 1) / G;
     const int begin = blockIdx.x * per, end = min(len, begin + per);
     float bv = __int_as_float(0x7fffffff);
     int bi = 0x7fffffff;
@@ -315,18 +321,22 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, floa
         }
     }
     arg_reduce(bv, bi, sv, si);
+    if (G == 1) {
+        if (threadIdx.x == 0) result[r] = bi == 0x7fffffff ? 0 : bi;
+        return;
+    }
     if (threadIdx.x == 0) {
         part_v[blockIdx.x] = bv;
         part_i[blockIdx.x] = bi;
         __threadfence();
-        last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+        last = atomicAdd(tickets + r, 1) == G - 1;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
     bv = __int_as_float(0x7fffffff);
     bi = 0x7fffffff;
-    for (int g = threadIdx.x; g < (int)gridDim.x; g += blockDim.x) {
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
         const float v = __ldcg(part_v + g);
         const int i = __ldcg(part_i + g);
         if (arg_better(v, i, bv, bi)) {
@@ -337,8 +347,8 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, int len, floa
     __syncthreads();
     arg_reduce(bv, bi, sv, si);
     if (threadIdx.x == 0) {
-        result[0] = bi == 0x7fffffff ? 0 : bi;
-        *ticket = 0;
+        result[r] = bi == 0x7fffffff ? 0 : bi;
+        tickets[r] = 0;
     }
 }
 

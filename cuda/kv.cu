@@ -26,11 +26,13 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS)
     __shared__ float head[2 * KV_THREADS];
     kernel_start();
     const int r = blockIdx.x, y = blockIdx.y;
-    const int pos = step[STEP_START_POS] + r;
+    const int t = row_position(step, r);
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
-    const float* table = rope + (size_t)pos * hd;
-    const int tier = kv_tier_of(pos, step);
+    const float* table = rope + (size_t)t * hd;
+    const int tier = kv_tier_of(t, step);
+    // The entry's place: the position, or its place in a KV pool.
+    const int pos = entry_index(step, r, t);
     const KvTierDesc tr = kv_tier(d, tier);
     const int own = first + (count - 1) * stride;
     float v[2], stored[2];

@@ -19,6 +19,8 @@ pub(crate) struct Loaded<B: Backend> {
     pub weights: Weights<B>,
 }
 
+// One per model, so the difference in the variants' sizes costs nothing worth an indirection.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum OnDevice {
     Cpu(Loaded<CpuBackend>),
     Cuda(Loaded<CudaBackend>),

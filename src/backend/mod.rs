@@ -222,9 +222,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn set_step(&self, step: &mut Self::Step, input: StepInput, tiers: TierBounds) -> Result<()>;
 
     /// Stage where the rows of the step just staged by [`Backend::set_step`] live in a KV pool
-    /// (without this, row r is position `start_pos + r` of the cache's one sequence). Backends
-    /// that cannot address a pool refuse.
-    fn set_places(&self, _step: &mut Self::Step, _places: PooledRows) -> Result<()> {
+    /// (without this, row r is position `start_pos + r` of the cache's one sequence). Returns a
+    /// key of what in the places changes the ops this backend issues for the step (the part of
+    /// a captured graph's key that the places decide; 0 when nothing does). Backends that cannot
+    /// address a pool refuse.
+    fn set_places(&self, _step: &mut Self::Step, _places: PooledRows) -> Result<u64> {
         Err(crate::error::Error::invalid(format!(
             "{} does not run steps over a KV pool (continuous batching); use the CPU",
             self.describe()

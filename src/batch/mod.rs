@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::generate::GenerateRequest;
 use crate::kv::KvMode;
-use crate::shared::{OnDevice, Shared};
+use crate::shared::Shared;
 use crate::{GenerateParams, Model};
 
 /// How an engine is sized, fixed when it is created.
@@ -224,11 +224,6 @@ impl Engine {
                 "the engine's KV pool holds K and V by position: KV mode {mode} is not \
                  supported (use fp16, int8 or delta)"
             )));
-        }
-        if matches!(shared.on_device, OnDevice::Cuda(_)) {
-            return Err(Error::invalid(
-                "the engine does not run on CUDA yet: open the model with device \"cpu\"",
-            ));
         }
         let mut options = options.clone();
         if options.pool_positions == 0 {

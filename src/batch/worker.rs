@@ -1,5 +1,6 @@
 //! The engine's thread: admit requests into the KV pool, plan a step, run it, hand out tokens.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -7,7 +8,7 @@ use std::time::Instant;
 
 use super::schedule::{self, Demand, Segment};
 use super::{EngineOptions, Event, Finish, Inbox, Queued, RequestStats, State, STEP_MS_BOUNDS};
-use crate::backend::{choose_on_host, Backend, PooledRow, PooledRows};
+use crate::backend::{choose_on_host, Backend, Choice, PooledRow, PooledRows};
 use crate::ctx_tier::Tier;
 use crate::error::{Error, Result};
 use crate::generate::next_choice;
@@ -15,7 +16,8 @@ use crate::generate::sampling::Rng;
 use crate::kv::pool::PagePool;
 use crate::kv::KvLayout;
 use crate::model::forward::{
-    final_norm, logits, run_rows, stage_pooled, Buffers, Rows, Span, LOGIT_ROWS,
+    argmax_rows, chosen_rows, final_norm, logits, pooled_decode_step, run_rows, stage_pooled,
+    Buffers, Rows, Span,
 };
 use crate::model::weights::Weights;
 use crate::shared::{OnDevice, Shared};
@@ -33,7 +35,11 @@ pub(super) fn start(
         .spawn(move || {
             let run = || match &shared.on_device {
                 OnDevice::Cpu(l) => serve(&shared, &l.backend, &l.weights, &inbox, &options, ready),
-                OnDevice::Cuda(l) => match l.backend.session(&l.weights.config) {
+                OnDevice::Cuda(l) => match l.backend.engine(
+                    &l.weights.config,
+                    options.max_step_rows,
+                    shared.options.max_seq_len,
+                ) {
                     Ok(backend) => serve(&shared, &backend, &l.weights, &inbox, &options, ready),
                     Err(e) => drop(ready.send(Err(e))),
                 },
@@ -195,7 +201,7 @@ fn serve<B: Backend>(
     let made = (|| {
         let layout = KvLayout::new(&w.config, shared.kv_layout.mode, options.pool_positions)?;
         let (body, _) = w.body.acquire(backend, Tier::Short)?;
-        let buf = Buffers::new(
+        let mut buf = Buffers::new(
             backend,
             &w.config,
             options.max_step_rows,
@@ -203,6 +209,7 @@ fn serve<B: Backend>(
             body,
             shared.options.state_init,
         )?;
+        buf.grow_logits(backend, &w.config, options.max_step_rows)?;
         let pool = PagePool::new(
             options.page_size,
             options.pool_positions / options.page_size,
@@ -227,6 +234,7 @@ fn serve<B: Backend>(
     account(&buf);
     let _ = ready.send(Ok(()));
     let mut running: Vec<Sequence> = Vec::new();
+    let mut graphs = GraphKeys::default();
     // Preempted sequences; the last one pushed (the oldest of a step's preemptions) resumes first.
     let mut preempted: Vec<Sequence> = Vec::new();
     loop {
@@ -266,7 +274,15 @@ fn serve<B: Backend>(
         let started = Instant::now();
         if !plan.is_empty() {
             rows = plan.iter().map(|s| s.rows).sum::<usize>();
-            match run_step(backend, w, &mut buf, &pool, &running, &plan) {
+            match run_step(
+                backend,
+                w,
+                &mut buf,
+                &pool,
+                &mut running,
+                &plan,
+                &mut graphs,
+            ) {
                 Ok(chosen) => tokens = hand_out(&mut running, &plan, chosen, &mut pool),
                 Err(e) => fail_all(&mut running, &mut pool, &mut ended, &e),
             }
@@ -461,69 +477,144 @@ fn register_prompt_pages(seq: &Sequence, before: usize, pool: &mut PagePool) {
     }
 }
 
-/// Run the planned step; returns the logits of each segment that produces a token (a decode
-/// row, or a prompt's last row), by segment, in plan order.
+/// The ids of the decode steps' graphs, one per distinct (rows' loop counts, backend's key of
+/// the places) pair, at most [`GraphKeys::MAX`] of them (then every graph is dropped and ids
+/// start again).
+#[derive(Default)]
+struct GraphKeys {
+    ids: HashMap<(Vec<usize>, u64), u64>,
+}
+
+impl GraphKeys {
+    const MAX: usize = 64;
+
+    fn id(&mut self, loops: &[usize], places: u64) -> u64 {
+        let next = self.ids.len() as u64;
+        *self.ids.entry((loops.to_vec(), places)).or_insert(next)
+    }
+
+    /// Make room for a new id, dropping the graphs when the ids are used up.
+    fn make_room<B: Backend>(&mut self, backend: &B, buf: &mut Buffers<B>) {
+        if self.ids.len() >= Self::MAX {
+            self.ids.clear();
+            buf.reset_graphs(backend);
+        }
+    }
+}
+
+/// Run the planned step; returns the token chosen for each segment that produces one (a decode
+/// row, or a prompt's last row), by segment, in plan order. Greedy rows take the argmax on the
+/// device; a sampled row's logits come to the host, where its request's draw picks the token. A
+/// step of decode rows only is one graph per shape ([`pooled_decode_step`]).
 fn run_step<B: Backend>(
     backend: &B,
     w: &Weights<B>,
     buf: &mut Buffers<B>,
     pool: &PagePool,
-    running: &[Sequence],
+    running: &mut [Sequence],
     plan: &[Segment],
-) -> Result<Vec<Option<Vec<f32>>>> {
+    graphs: &mut GraphKeys,
+) -> Result<Vec<Option<u32>>> {
     let step = step_rows(running, plan);
     let places = PooledRows {
         page_size: pool.page_size(),
         rows: &step.places,
     };
-    stage_pooled(backend, w, buf, &step.tokens, places, &step.loops)?;
-    let span = Span::all(step.loops[0]);
-    run_rows(backend, w, buf, Rows::Deepest(&step.loops), span, None)?;
-    final_norm(backend, w, buf, step.tokens.len());
-    let vocab = w.config.vocab_size;
+    let decode_only = plan.iter().all(|s| s.decode);
+    if decode_only {
+        graphs.make_room(backend, buf);
+        let key = |places: u64| graphs.id(&step.loops, places);
+        pooled_decode_step(backend, w, buf, &step.tokens, places, &step.loops, key)?;
+    } else {
+        stage_pooled(backend, w, buf, &step.tokens, places, &step.loops)?;
+        let span = Span::all(step.loops[0]);
+        run_rows(backend, w, buf, Rows::Deepest(&step.loops), span, None)?;
+        final_norm(backend, w, buf, step.tokens.len());
+    }
+    let rows = step.tokens.len();
+    drop(step);
     let last_row = |s: &Segment| {
         let seq = &running[s.sequence];
         let prompt_done = seq.fed + s.rows == seq.prompt.len();
         (s.decode || prompt_done).then_some(s.first_row + s.rows - 1)
     };
     let wanted: Vec<Option<usize>> = plan.iter().map(last_row).collect();
-    let rows: Vec<usize> = wanted.iter().flatten().copied().collect();
-    let mut out: Vec<Vec<f32>> = Vec::with_capacity(rows.len());
-    // Runs of consecutive rows share a head call.
+    // Each producing segment's choice, drawn in plan order.
+    let choices: Vec<(usize, Choice)> = plan
+        .iter()
+        .zip(&wanted)
+        .filter_map(|(s, row)| {
+            let seq = &mut running[s.sequence];
+            row.map(|row| (row, next_choice(&seq.queued.request.sampling, &mut seq.rng)))
+        })
+        .collect();
+    let vocab = w.config.vocab_size;
+    let mut tokens = Vec::with_capacity(choices.len());
+    if decode_only {
+        // Row r's logits are logits row r, their argmax the step's row r.
+        let greedy = chosen_rows(backend, buf, rows)?;
+        for &(row, choice) in &choices {
+            tokens.push(choose(backend, buf, &greedy, row, row, &choice, vocab)?);
+        }
+    }
+    // Otherwise runs of consecutive rows share a head call.
     let mut i = 0;
-    while i < rows.len() {
+    while !decode_only && i < choices.len() {
+        let first = choices[i].0;
         let mut n = 1;
-        while i + n < rows.len() && n < LOGIT_ROWS && rows[i + n] == rows[i] + n {
+        while i + n < choices.len() && n < buf.logit_rows && choices[i + n].0 == first + n {
             n += 1;
         }
-        logits(backend, w, buf, rows[i], n);
-        let values = backend.read_float(&buf.logits, 0, n * vocab)?;
-        out.extend(values.chunks_exact(vocab).map(<[f32]>::to_vec));
+        logits(backend, w, buf, first, n);
+        let greedy = argmax_rows(backend, w, buf, n)?;
+        for (k, (_, choice)) in choices[i..i + n].iter().enumerate() {
+            tokens.push(choose(backend, buf, &greedy, k, k, choice, vocab)?);
+        }
         i += n;
     }
-    let mut out = out.into_iter();
-    Ok(wanted.iter().map(|r| r.and_then(|_| out.next())).collect())
+    let mut tokens = tokens.into_iter();
+    Ok(wanted
+        .iter()
+        .map(|r| r.and_then(|_| tokens.next()))
+        .collect())
 }
 
-/// Advance every planned sequence past its rows and choose its next token where the step
-/// produced logits for it; returns the tokens handed out.
+/// The token of a row whose argmax is `greedy[at]` and whose logits are logits row `logits_row`.
+fn choose<B: Backend>(
+    backend: &B,
+    buf: &Buffers<B>,
+    greedy: &[u32],
+    at: usize,
+    logits_row: usize,
+    choice: &Choice,
+    vocab: usize,
+) -> Result<u32> {
+    Ok(match choice {
+        Choice::Greedy => greedy[at],
+        sample => {
+            let row = backend.read_float(&buf.logits, logits_row * vocab, vocab)?;
+            choose_on_host(&row, sample)
+        }
+    })
+}
+
+/// Advance every planned sequence past its rows and hand out the token the step chose for it,
+/// if any; returns the tokens handed out.
 fn hand_out(
     running: &mut [Sequence],
     plan: &[Segment],
-    chosen: Vec<Option<Vec<f32>>>,
+    chosen: Vec<Option<u32>>,
     pool: &mut PagePool,
 ) -> usize {
     let mut handed = 0;
-    for (s, row_logits) in plan.iter().zip(chosen) {
+    for (s, token) in plan.iter().zip(chosen) {
         let seq = &mut running[s.sequence];
         let before = seq.fed;
         seq.fed += s.rows;
         register_prompt_pages(seq, before, pool);
-        let Some(row_logits) = row_logits else {
+        let Some(token) = token else {
             continue;
         };
-        let choice = next_choice(&seq.queued.request.sampling, &mut seq.rng);
-        let token = choose_on_host(&row_logits, &choice);
         seq.first_token.get_or_insert_with(Instant::now);
         if seq.queued.request.stop_tokens.contains(&token) {
             seq.finish = Some(Finish::Stop);

@@ -128,10 +128,9 @@ enum ModelCommand {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The device: the engine runs on the CPU for now, so this is cpu (the default) or auto
-    /// where auto finds no GPU.
-    #[arg(long, default_value = "cpu")]
-    device: Device,
+    /// auto, cpu, cuda or cuda:N (default: TINYLOOP_DEVICE, else auto).
+    #[arg(long)]
+    device: Option<Device>,
     /// Upper bound on prompt + generated tokens of a request (default: 2048, or the model's
     /// max_position when that is smaller).
     #[arg(long, value_name = "N", value_parser = whole::<usize>(1, MAX))]
@@ -962,7 +961,7 @@ fn open(path: &PathBuf, common: &CommonArgs) -> Result<Model> {
 fn serve_model(path: &PathBuf, args: ServeArgs) -> Result<()> {
     let options = ModelOptions {
         max_seq_len: args.max_seq_len.unwrap_or(0),
-        device: Some(args.device),
+        device: args.device,
         kv_mode: args.kv,
         log: !args.quiet,
         ..ModelOptions::default()
@@ -1654,9 +1653,14 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         Some(n) => {
             let via = if args.engine {
                 let defaults = EngineOptions::default();
+                // Room for every client's request at once (the default pool is 8 sequences of
+                // max_seq_len), so that the clients run together rather than in turns.
+                let each = (args.prompt_len + args.gen_len).next_multiple_of(defaults.page_size);
+                let pool = (8 * model.options().max_seq_len).max(n * each);
                 concurrent::Via::Engine(EngineOptions {
                     max_step_rows: args.max_step_rows.unwrap_or(defaults.max_step_rows),
                     max_running: defaults.max_running.max(n),
+                    pool_positions: pool,
                     ..defaults
                 })
             } else {

@@ -115,7 +115,10 @@ pub struct Buffers<B: Backend> {
     act: B::Half,
     factor: B::Float,
     factor_half: B::Half,
+    /// `logit_rows × vocab` logits.
     pub logits: B::Float,
+    /// Rows one head call computes: LOGIT_ROWS, or more for an engine ([`Buffers::grow_logits`]).
+    pub logit_rows: usize,
     /// Residual streams saved by decode steps ([`Decode::hidden_row`]): `HIDDEN_ROWS × dim`.
     pub hidden: B::Float,
     /// With a loop adapter, the loop input of those rows beside them.
@@ -200,6 +203,7 @@ impl<B: Backend> Buffers<B> {
             factor: backend.alloc_float(factor_len)?,
             factor_half: backend.alloc_half(factor_len)?,
             logits: backend.alloc_float(logits_len)?,
+            logit_rows: LOGIT_ROWS,
             hidden: backend.alloc_float(HIDDEN_ROWS * d)?,
             hidden_input: hidden_input?,
             delta: delta?,
@@ -240,6 +244,25 @@ impl<B: Backend> Buffers<B> {
     /// Drop the captured decode graphs (they keep the buffers' and the depth mask's addresses).
     pub fn reset_graphs(&mut self, backend: &B) {
         backend.graph_reset(&mut self.step);
+    }
+
+    /// Let one head call compute the logits of up to `rows` rows (at most `max_rows`): an
+    /// engine takes those of all its decode rows at once, reading the head once per step.
+    pub fn grow_logits(&mut self, backend: &B, config: &ModelConfig, rows: usize) -> Result<()> {
+        let rows = rows.min(self.max_rows);
+        if rows <= self.logit_rows {
+            return Ok(());
+        }
+        let r = config.embed_factor_dim.max(1);
+        let (logits_len, factor_len) = (elements(rows, config.vocab_size, "logits")?, rows * r);
+        let (old_logits, old_factor) = (self.logit_rows * config.vocab_size, self.logit_rows * r);
+        self.logits = backend.alloc_float(logits_len)?;
+        self.factor = backend.alloc_float(factor_len)?;
+        self.factor_half = backend.alloc_half(factor_len)?;
+        self.bytes += 4 * (logits_len - old_logits) + 6 * (factor_len - old_factor);
+        self.logit_rows = rows;
+        backend.graph_reset(&mut self.step); // graphs keep the old buffers' addresses
+        Ok(())
     }
 
     /// Make sure the KV cache has at least `slots` slots; growing it keeps every entry.
@@ -342,7 +365,7 @@ fn write_initial_states<B: Backend>(
 /// `places.rows[r].position` of its own sequence, and runs `loops[r]` loop iterations (rows
 /// deepest first). The cache is the pool's; the caller keeps every row's page table large
 /// enough and its positions below the model's `max_seq_len`. Then [`run_rows`] with
-/// [`Rows::Deepest`].
+/// [`Rows::Deepest`]. Returns the backend's key of the places ([`Backend::set_places`]).
 pub fn stage_pooled<B: Backend>(
     backend: &B,
     w: &Weights<B>,
@@ -350,7 +373,7 @@ pub fn stage_pooled<B: Backend>(
     tokens: &[u32],
     places: PooledRows,
     loops: &[usize],
-) -> Result<()> {
+) -> Result<u64> {
     let rows = tokens.len();
     if rows == 0 || rows > buf.max_rows || places.rows.len() != rows || loops.len() != rows {
         return Err(Error::invalid(format!(
@@ -375,6 +398,57 @@ pub fn stage_pooled<B: Backend>(
     };
     backend.set_step(&mut buf.step, input, buf.kv.bounds)?;
     backend.set_places(&mut buf.step, places)
+}
+
+/// A step over a KV pool whose rows all decode (each the next token of its sequence): stage it
+/// ([`stage_pooled`]), run it, and leave the argmax of every row's logits in the step (read them
+/// with [`chosen_rows`]). The ops after staging depend only on the rows' loop counts and the
+/// backend's key of the places, so a backend with graphs captures them once per `key`, which the
+/// caller makes distinct for each distinct (loop counts, places key) pair it passes as `shape`.
+#[allow(clippy::too_many_arguments)]
+pub fn pooled_decode_step<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    tokens: &[u32],
+    places: PooledRows,
+    loops: &[usize],
+    key: impl FnOnce(u64) -> u64,
+) -> Result<()> {
+    let rows = tokens.len();
+    if rows > buf.logit_rows {
+        return Err(Error::invalid(format!(
+            "a pooled decode step of {rows} rows needs logits for {rows} rows (buffers hold {})",
+            buf.logit_rows
+        )));
+    }
+    let key = key(stage_pooled(backend, w, buf, tokens, places, loops)?);
+    let capturable = buf.kv.layout.mode.graph_capturable();
+    if capturable && backend.graph_replay(&mut buf.step, key)? {
+        return Ok(());
+    }
+    let capturing = capturable && backend.graph_begin(&mut buf.step, key)?;
+    run_rows(
+        backend,
+        w,
+        buf,
+        Rows::Deepest(loops),
+        Span::all(loops[0]),
+        None,
+    )?;
+    final_norm(backend, w, buf, rows);
+    logits(backend, w, buf, 0, rows);
+    backend.argmax_rows(&buf.logits, rows, w.config.vocab_size, &mut buf.step);
+    if capturing {
+        backend.graph_end(&mut buf.step, key)?;
+    }
+    Ok(())
+}
+
+/// The argmax of each of logits rows `0..rows` left by the last [`pooled_decode_step`] (waits
+/// for the device).
+pub fn chosen_rows<B: Backend>(backend: &B, buf: &Buffers<B>, rows: usize) -> Result<Vec<u32>> {
+    backend.chosen_tokens(&buf.step, rows)
 }
 
 /// Make the session's loop body the one of `tier`: take it from the model (made if no session
@@ -943,7 +1017,7 @@ pub fn final_norm<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>,
     }
 }
 
-/// Logits of rows `first_row..first_row + n` (n ≤ LOGIT_ROWS) of the final-normed step into
+/// Logits of rows `first_row..first_row + n` (n ≤ `buf.logit_rows`) of the final-normed step into
 /// `buf.logits` rows `0..n`. Call [`final_norm`] first.
 pub fn logits<B: Backend>(
     backend: &B,
@@ -952,7 +1026,7 @@ pub fn logits<B: Backend>(
     first_row: usize,
     n: usize,
 ) {
-    debug_assert!(n <= LOGIT_ROWS);
+    debug_assert!(n <= buf.logit_rows);
     match &w.head {
         Head::Untied(head) => backend.linear(&buf.h, first_row, n, head, &mut buf.logits, false),
         Head::Tied => backend.linear(&buf.h, first_row, n, &w.embed, &mut buf.logits, false),

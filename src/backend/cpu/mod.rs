@@ -216,7 +216,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn set_places(&self, step: &mut CpuStep, places: PooledRows) -> Result<()> {
+    fn set_places(&self, step: &mut CpuStep, places: PooledRows) -> Result<u64> {
         step.places = Some(Places {
             page_size: places.page_size,
             rows: places
@@ -225,7 +225,7 @@ impl Backend for CpuBackend {
                 .map(|r| (r.position, r.table.to_vec()))
                 .collect(),
         });
-        Ok(())
+        Ok(0)
     }
 
     fn embed(&self, table: &CpuLinear, step: &CpuStep, out: &mut Vec<f32>) {

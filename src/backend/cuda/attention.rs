@@ -273,8 +273,9 @@ impl CudaBackend {
         self.attend(qkv, step, rows, kv, &f16, out, None);
     }
 
-    /// Decode in the fp16 mode: one kernel rotates q and the new K, writes the entry and attends.
-    /// Every other case stores, then attends.
+    /// Decode in the fp16 mode: one kernel rotates q and the new K, writes the entry and attends
+    /// (not in an engine's backend, whose one-row steps run as its others do). Every other case
+    /// stores, then attends.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn store_and_attend(
         &self,
@@ -288,7 +289,7 @@ impl CudaBackend {
         qkv_weight: &CudaLinear,
         out: &mut DevBuf,
     ) {
-        if rows == 1 && kv.layout.mode == KvMode::Fp16 {
+        if rows == 1 && kv.layout.mode == KvMode::Fp16 && self.invariant.is_none() {
             let f16 = self.f16_entries(kv, at);
             return self.attend(qkv, step, rows, kv, &f16, out, Some(rope));
         }
@@ -405,18 +406,38 @@ impl CudaBackend {
         }
     }
 
-    /// Position splits per (row, head): enough blocks to fill the GPU for decode rows. Depends
-    /// only on shapes, never on the position, so a captured graph stays valid.
-    fn splits(&self, rows: usize, n_heads: usize, capacity: usize) -> usize {
+    /// Position splits per (row, head) of a launch, and the span of each (0: the positions cut in
+    /// `splits`). Decode rows get enough blocks to fill the GPU, from shapes only, never from the
+    /// position, so a captured graph stays valid. An engine's backend cuts every row in slices of
+    /// its fixed span, as many as the step's longest row needs ([`super::RowInvariant`]).
+    fn splits(
+        &self,
+        step: &CudaStep,
+        rows: usize,
+        n_heads: usize,
+        capacity: usize,
+    ) -> (usize, usize) {
+        if let Some(invariant) = self.invariant {
+            return (self.pooled_splits(step), invariant.span);
+        }
         if rows <= SPLIT_ROWS && self.split_floats > 0 {
-            (2 * self.gpu.sms)
+            let splits = (2 * self.gpu.sms)
                 .div_ceil(rows * n_heads)
                 .min(MAX_SPLITS)
                 .min(capacity.div_ceil(32))
-                .max(1)
+                .max(1);
+            (splits, 0)
         } else {
-            1
+            (1, 0)
         }
+    }
+
+    /// An engine's attention splits for the staged step: the slices of its longest row (every
+    /// launch of the step has this grid; rows that need fewer leave the rest idle).
+    pub(super) fn pooled_splits(&self, step: &CudaStep) -> usize {
+        let span = self.invariant.map_or(usize::MAX, |i| i.span);
+        let longest = step.pooled.unwrap_or(step.start_pos + step.rows);
+        longest.div_ceil(span).max(1)
     }
 
     /// The attention kernel variant for the head dimension (hd <= 32 · DJ), or None (recorded as
@@ -447,7 +468,7 @@ impl CudaBackend {
         let Some(dj) = self.attention_variant(hd) else {
             return;
         };
-        let splits = self.splits(rows, heads.n_heads, entries.capacity);
+        let (splits, span) = self.splits(step, rows, heads.n_heads, entries.capacity);
         let partial = self.scratch.ptr + self.partial_offset as u64;
         let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
         let [mask, need] = entries.depth.args();
@@ -463,6 +484,7 @@ impl CudaBackend {
             Arg::usize(entries.slot),
             Arg::L(entries.slot_stride as i64),
             Arg::usize(splits),
+            Arg::usize(span),
             Arg::P(out.ptr),
             Arg::P(partial),
             Arg::P(tickets),
@@ -490,7 +512,7 @@ impl CudaBackend {
         let Some(dj) = self.attention_variant(hd) else {
             return;
         };
-        let splits = self.splits(rows, heads.n_heads, kv.layout.capacity);
+        let (splits, span) = self.splits(step, rows, heads.n_heads, kv.layout.capacity);
         let partial = self.scratch.ptr + self.partial_offset as u64;
         let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
         let quant = QuantKvArg {
@@ -509,6 +531,7 @@ impl CudaBackend {
             Arg::usize(hd),
             Arg::F(1.0 / (hd as f32).sqrt()),
             Arg::usize(splits),
+            Arg::usize(span),
             Arg::P(out.ptr),
             Arg::P(partial),
             Arg::P(tickets),

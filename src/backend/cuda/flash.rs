@@ -71,7 +71,13 @@ impl CudaBackend {
         // allow_dynamic_smem's limit
         let fits = smem_bytes(hd) <= self.gpu.smem_optin.saturating_sub(2048);
         let blocks_fit = flash_blocks(heads.n_heads, rows) <= i32::MAX as usize;
-        let takes = rows >= 2 && kv.layout.mode == KvMode::Fp16 && aligned && fits && blocks_fit;
+        let one_sequence = step.pooled.is_none();
+        let takes = rows >= 2
+            && one_sequence
+            && kv.layout.mode == KvMode::Fp16
+            && aligned
+            && fits
+            && blocks_fit;
         takes.then_some(variant)
     }
 

@@ -85,7 +85,7 @@ pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 /// The 8-value chunks per thread of the normalizing GEMV variants (cuda/gemv.cu `NormRow`): rows
 /// of up to `8 · 256 · chunks` values.
 pub(crate) const GEMV_NORM_CHUNKS: [usize; 2] = [1, 3];
-/// The most rows `gemm_small` takes (one MMA tile of rows; cuda/gemm.cu).
+/// The rows of one `gemm_small` tile (one MMA tile of rows; cuda/gemm.cu).
 pub(crate) const SMALL_GEMM_ROWS: usize = 16;
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
@@ -117,7 +117,7 @@ pub(crate) struct Kernels {
     pub gemv_gateup_norm: [[sys::CUfunction; 2]; 3],
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
-    /// `[bits index]`: products of at most [`SMALL_GEMM_ROWS`] rows.
+    /// `[bits index]`: products in tiles of [`SMALL_GEMM_ROWS`] rows.
     pub gemm_small: [sys::CUfunction; 3],
     pub linear_generic: sys::CUfunction,
     /// `[dj index]`: over f16 entries, and over quantized entries.

@@ -229,10 +229,11 @@ impl CudaBackend {
     }
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` without the GEMV path (`out` rows are `range.len()` wide):
-    /// the tensor-core GEMM (16-row tiles up to [`kernels::SMALL_GEMM_ROWS`] rows, 64 × 64
-    /// tiles above), or the generic kernel for shapes it does not take. Each output is
-    /// accumulated in the same order whatever `rows` is, in both tilings, so a row's result does
-    /// not depend on the rows computed with it.
+    /// the tensor-core GEMM (64 × 64 tiles where they fill the GPU, tiles of
+    /// [`kernels::SMALL_GEMM_ROWS`] rows and 16 columns otherwise: at most that many rows, or a
+    /// product too narrow for the large tiles to give every SM a block), or the generic kernel
+    /// for shapes it does not take. Each output is accumulated in the same order whatever `rows`
+    /// is, in both tilings, so a row's result does not depend on the rows computed with it.
     pub(super) fn product(
         &self,
         x: u64,
@@ -282,8 +283,10 @@ impl CudaBackend {
             Arg::P(out),
             acc,
         ];
-        if rows <= kernels::SMALL_GEMM_ROWS {
-            let grid = (n.div_ceil(16) as u32, 1, 1);
+        let large_tiles_fill = n.div_ceil(64) * rows.div_ceil(64) >= self.gpu.sms;
+        if rows <= kernels::SMALL_GEMM_ROWS || !large_tiles_fill {
+            let row_tiles = rows.div_ceil(kernels::SMALL_GEMM_ROWS);
+            let grid = (n.div_ceil(16) as u32, row_tiles as u32, 1);
             return self.run(
                 "gemm_small",
                 k.gemm_small[w.bits_index()],
@@ -309,8 +312,12 @@ impl CudaBackend {
         norm_chunks(w.cols).filter(|_| fits)
     }
 
-    /// The GEMV row variant (index into GEMV_ROWS) for `rows` rows, if the GEMV path applies.
+    /// The GEMV row variant (index into GEMV_ROWS) for `rows` rows, if the GEMV path applies
+    /// (never in an engine's backend, [`super::RowInvariant`]).
     fn gemv_rows(&self, w: &CudaLinear, rows: usize) -> Option<usize> {
+        if self.invariant.is_some() {
+            return None;
+        }
         let ri = kernels::GEMV_ROWS.iter().position(|&r| r >= rows)?;
         let limit = self.gpu.smem_optin.saturating_sub(2048);
         (w.fast && w.gemv_smem(kernels::GEMV_ROWS[ri]) <= limit).then_some(ri)

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaStream};
 use half::f16;
 
-use super::{Backend, HostLinear, NormLayer, OwnedLinear, Residual, StepInput};
+use super::{Backend, HostLinear, NormLayer, OwnedLinear, PooledRows, Residual, StepInput};
 use crate::env::Vars;
 use crate::error::{Error, Result};
 use crate::format::DType;
@@ -61,8 +61,9 @@ pub use step::CudaStep;
 
 // Byte offsets in a backend's scratch buffer (zero-initialized; the tickets return to zero after
 // every launch that uses them).
-const SCRATCH_ARGMAX_TICKET: usize = 4;
 const SCRATCH_ENTROPY_TICKET: usize = 8;
+/// A ticket per row of an argmax launch whose rows split across blocks (ARGMAX_BLOCKS / 2 words).
+const SCRATCH_ARGMAX_TICKETS: usize = 512;
 const SCRATCH_ARGMAX_VALUES: usize = 1024;
 const SCRATCH_ARGMAX_INDICES: usize = 2048;
 /// Three f32 partials (max, S, T) per block of the entropy kernel.
@@ -102,6 +103,8 @@ pub struct CudaBackend {
     attention_heads: Option<(usize, usize)>,
     /// Byte offset of the attention split partials in `scratch`.
     partial_offset: usize,
+    /// An engine's backend: rows of a step are computed alike whatever runs with them.
+    invariant: Option<RowInvariant>,
     /// The first launch failure since the last call that returned a `Result`.
     error: Mutex<Option<String>>,
     tuning: Tuning,
@@ -109,6 +112,28 @@ pub struct CudaBackend {
     /// driver::launch).
     overlap: bool,
     load: KernelLoad,
+}
+
+/// How an engine's backend keeps each row's result independent of the other rows of its step, so
+/// that a request's tokens never depend on the batch: products take the tensor-core GEMM at every
+/// row count (its sums are ordered alike in every tiling; the GEMV's are not), without the FP16
+/// body cache's cuBLAS (which picks algorithms by shape), and attention splits a row's positions
+/// in slices of `span` (a row's splits then depend on its position only).
+#[derive(Clone, Copy, Debug)]
+struct RowInvariant {
+    span: usize,
+}
+
+impl RowInvariant {
+    /// Slices of at least 128 positions (one pass of the attention kernel's four warps), at most
+    /// MAX_SPLITS of them for `max_positions`.
+    fn for_positions(max_positions: usize) -> RowInvariant {
+        let span = max_positions
+            .div_ceil(MAX_SPLITS)
+            .next_multiple_of(32)
+            .max(128);
+        RowInvariant { span }
+    }
 }
 
 fn blocks_for(len: usize, threads: usize) -> u32 {
@@ -162,6 +187,7 @@ impl CudaBackend {
             split_floats,
             attention_heads: None,
             partial_offset,
+            invariant: None,
             error: Mutex::new(None),
             tuning,
             overlap,
@@ -191,6 +217,34 @@ impl CudaBackend {
             backend.blas = Some(Box::new(backend.new_blas()?));
             backend.fp16_body = true; // its re-packed and restored loop bodies get copies too
         }
+        Ok(backend)
+    }
+
+    /// A backend for a continuous-batching engine over a model with `config`: its own stream,
+    /// attention scratch for steps of up to `max_rows` rows of sequences of up to
+    /// `max_positions` positions, and row-invariant kernels ([`RowInvariant`]).
+    pub fn engine(
+        &self,
+        config: &ModelConfig,
+        max_rows: usize,
+        max_positions: usize,
+    ) -> Result<CudaBackend> {
+        let hd = config.head_dim();
+        if hd > MAX_HEAD_DIM {
+            return Err(Error::Device(format!(
+                "head_dim {hd} exceeds the CUDA attention kernel's limit of {MAX_HEAD_DIM}"
+            )));
+        }
+        let invariant = RowInvariant::for_positions(max_positions);
+        let tickets = max_rows * config.n_heads;
+        let split_floats = tickets * max_positions.div_ceil(invariant.span) * (hd + 2);
+        let load = KernelLoad {
+            note: String::new(),
+            ms: 0.0,
+        };
+        let mut backend =
+            CudaBackend::with_gpu(self.gpu.clone(), load, self.tuning, split_floats, tickets)?;
+        backend.invariant = Some(invariant);
         Ok(backend)
     }
 
@@ -549,6 +603,10 @@ impl Backend for CudaBackend {
 
     fn set_step(&self, step: &mut CudaStep, input: StepInput, tiers: TierBounds) -> Result<()> {
         self.stage_step(step, input, tiers)
+    }
+
+    fn set_places(&self, step: &mut CudaStep, places: PooledRows) -> Result<u64> {
+        self.stage_places(step, places)
     }
 
     fn embed(&self, table: &CudaLinear, step: &CudaStep, out: &mut DevBuf) {

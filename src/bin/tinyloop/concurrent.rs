@@ -68,8 +68,9 @@ impl Client for EngineClient<'_> {
     }
 }
 
-/// Run `repeats` generations of `prompt` for each of `clients` clients of `model` at once
-/// (after one untimed warm-up generation each, in turn) and report them as JSON.
+/// Run `repeats` generations of `prompt` for each of `clients` clients of `model` at once, after
+/// one untimed warm-up generation each, also all at once (so that an engine's warm-up is a batch
+/// like the timed runs, and its graphs for that batch exist), and report them as JSON.
 pub fn run(
     model: &Model,
     prompt: &[u32],
@@ -82,9 +83,9 @@ pub fn run(
         Via::Sessions => None,
         Via::Engine(options) => Some(Engine::new(model, options)?),
     };
-    let mut warmed: Vec<Box<dyn Client + '_>> = Vec::with_capacity(clients);
+    let mut ready: Vec<Box<dyn Client + '_>> = Vec::with_capacity(clients);
     for _ in 0..clients {
-        let mut client: Box<dyn Client> = match &engine {
+        ready.push(match &engine {
             None => Box::new(SessionClient {
                 session: model.new_session()?,
                 prompt,
@@ -95,20 +96,26 @@ pub fn run(
                 prompt,
                 params,
             }),
-        };
-        client.generate(&mut || {})?;
-        warmed.push(client);
+        });
     }
-    // Nothing fallible runs before the barrier, so no thread waits there for one that failed.
-    let barrier = Barrier::new(clients);
+    // Every thread reaches both barriers whatever its warm-up gave, so none waits there for one
+    // that failed. Between them the engine's counters are read: the step figures are the timed
+    // runs' alone.
+    let (warmed, timed) = (Barrier::new(clients), Barrier::new(clients));
+    let before = std::sync::Mutex::new(None);
     let origin = Instant::now();
     let timelines: Vec<Result<Timeline>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = warmed
+        let workers: Vec<_> = ready
             .into_iter()
             .map(|mut client| {
-                let barrier = &barrier;
+                let (warmed, timed, before, engine) = (&warmed, &timed, &before, &engine);
                 scope.spawn(move || {
-                    barrier.wait();
+                    let warm = client.generate(&mut || {});
+                    if warmed.wait().is_leader() {
+                        *before.lock().expect("not poisoned") = engine.as_ref().map(Engine::stats);
+                    }
+                    timed.wait();
+                    warm?;
                     timed_runs(client.as_mut(), repeats, params.max_tokens, origin)
                 })
             })
@@ -124,12 +131,15 @@ pub fn run(
         Via::Sessions => "sessions",
         Via::Engine(_) => "engine",
     });
-    if let Some(engine) = &engine {
+    if let (Some(engine), Some(before)) = (&engine, before.into_inner().expect("not poisoned")) {
         let stats = engine.stats();
+        let steps = stats.steps - before.steps;
         report["engine"] = json!({
             "max_step_rows": engine.options().max_step_rows,
-            "steps": stats.steps,
-            "rows_per_step": stats.rows as f64 / stats.steps.max(1) as f64,
+            "steps": steps,
+            "rows_per_step": (stats.rows - before.rows) as f64 / steps.max(1) as f64,
+            "step_ms_mean": (stats.step_ms_sum - before.step_ms_sum) / steps.max(1) as f64,
+            "preemptions": stats.preemptions - before.preemptions,
         });
     }
     Ok(report)
