@@ -17,6 +17,7 @@
 //! f32 logarithm and division near H = 0 (a single dominant logit).
 
 mod common;
+use common::cuda_or_skip;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -36,19 +37,6 @@ use tinyloop::{BetaMonitor, Device, GenerateParams, Model, ModelFile, ModelOptio
 
 fn tol(h: f64) -> f64 {
     1e-4 * h + 1e-5
-}
-
-fn cuda_or_skip(test: &str) -> bool {
-    match tinyloop::backend::cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            if std::env::var("TINYLOOP_REQUIRE_CUDA").as_deref() == Ok("1") {
-                panic!("{test}: TINYLOOP_REQUIRE_CUDA=1 but there is no usable CUDA device: {why}");
-            }
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({why}): {test}");
-            false
-        }
-    }
 }
 
 fn gpu() -> CudaBackend {

@@ -25,11 +25,12 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 
-use common::{rel_l2, synth_file};
+use common::{
+    cuda_or_skip, greedy_params as greedy, rel_l2, sampled_params as sampled, synth_file,
+};
 use tinyloop::backend::cpu::CpuBackend;
 use tinyloop::backend::cuda::CudaBackend;
 use tinyloop::backend::{Backend, PooledRow, PooledRows};
@@ -37,22 +38,7 @@ use tinyloop::format::ModelFile;
 use tinyloop::kv::KvLayout;
 use tinyloop::model::forward::{run_rows, stage_pooled, Buffers, Rows, Span};
 use tinyloop::model::weights::Weights;
-use tinyloop::{
-    Device, Engine, EngineOptions, GenerateParams, KvMode, Model, ModelOptions, SamplingParams,
-};
-
-fn cuda_or_skip(test: &str) -> bool {
-    match tinyloop::backend::cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            if std::env::var("TINYLOOP_REQUIRE_CUDA").as_deref() == Ok("1") {
-                panic!("{test}: TINYLOOP_REQUIRE_CUDA=1 but there is no usable CUDA device: {why}");
-            }
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({why}): {test}");
-            false
-        }
-    }
-}
+use tinyloop::{Device, Engine, EngineOptions, GenerateParams, KvMode, Model, ModelOptions};
 
 fn model_tol(applications: usize) -> f64 {
     (applications + 1) as f64 * 2f64.powi(-11)
@@ -226,26 +212,6 @@ fn cuda_pooled_steps_match_the_cpu() {
             eprintln!("pooled step {i} {mode}: rel {e:.2e} (tol {tol:.2e})");
             assert!(e <= tol, "pooled step {i} in {mode}: {e:.3e} > {tol:.3e}");
         }
-    }
-}
-
-fn greedy(max_tokens: usize, loops: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        loops: Some(loops),
-        ..GenerateParams::default()
-    }
-}
-
-fn sampled(seed: u64, max_tokens: usize, loops: usize) -> GenerateParams {
-    GenerateParams {
-        sampling: SamplingParams {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            seed,
-        },
-        ..greedy(max_tokens, loops)
     }
 }
 

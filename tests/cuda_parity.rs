@@ -111,7 +111,7 @@ use tinyloop::{
 };
 
 use common::exit_agreement::{agreement, self_consistent, Agreement};
-use common::{prefill_and_decode, rel_l2 as rel};
+use common::{cuda_or_skip, prefill_and_decode, rel_l2 as rel};
 
 const OP_TOL: f64 = 1e-4;
 const CHAIN_TOL: f64 = 2.0 / 2048.0;
@@ -143,22 +143,6 @@ fn mode_tol(mode: KvMode, applications: usize, head_dim: usize) -> f64 {
 
 // ---------------------------------------------------------------------------------------------
 // Harness
-
-/// Whether to run CUDA work: true with a device; otherwise print why and return false, or fail
-/// when TINYLOOP_REQUIRE_CUDA=1.
-fn cuda_or_skip(test: &str) -> bool {
-    match tinyloop::backend::cuda::available() {
-        Ok(_) => true,
-        Err(why) => {
-            if std::env::var("TINYLOOP_REQUIRE_CUDA").as_deref() == Ok("1") {
-                panic!("{test}: TINYLOOP_REQUIRE_CUDA=1 but there is no usable CUDA device: {why}");
-            }
-            // Straight to stderr: the test harness does not capture this, so a skip is visible.
-            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({why}): {test}");
-            false
-        }
-    }
-}
 
 fn quick() -> bool {
     std::env::var("TINYLOOP_PARITY_QUICK").as_deref() == Ok("1")

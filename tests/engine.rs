@@ -3,32 +3,13 @@
 
 mod common;
 
-use common::{cpu_options, open_cpu, synth_file, tokens};
+use common::{
+    cpu_options, greedy_params as params, open_cpu, sampled_params as sampled, synth_file, tokens,
+};
 use tinyloop::{
     Engine, EngineOptions, Error, Event, Exit, ExitPolicy, ExitRule, Finish, GenerateParams,
-    KvMode, Model, ModelOptions, SamplingParams,
+    KvMode, Model, ModelOptions,
 };
-
-fn params(max_tokens: usize, loops: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        loops: Some(loops),
-        ..GenerateParams::default()
-    }
-}
-
-/// Sampling with a seed (temperature 0.9, top-k 40, top-p 0.95).
-fn sampled(seed: u64, max_tokens: usize, loops: usize) -> GenerateParams {
-    GenerateParams {
-        sampling: SamplingParams {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            seed,
-        },
-        ..params(max_tokens, loops)
-    }
-}
 
 fn small_steps() -> EngineOptions {
     // Few rows per step: prompts are cut into chunks and share steps with decode rows.

@@ -554,7 +554,7 @@ fn run_step<B: Backend>(
         // Row r's logits are logits row r, their argmax the step's row r.
         let greedy = chosen_rows(backend, buf, rows)?;
         for &(row, choice) in &choices {
-            tokens.push(choose(backend, buf, &greedy, row, row, &choice, vocab)?);
+            tokens.push(choose(backend, buf, &greedy, row, &choice, vocab)?);
         }
     }
     // Otherwise runs of consecutive rows share a head call.
@@ -568,7 +568,7 @@ fn run_step<B: Backend>(
         logits(backend, w, buf, first, n);
         let greedy = argmax_rows(backend, w, buf, n)?;
         for (k, (_, choice)) in choices[i..i + n].iter().enumerate() {
-            tokens.push(choose(backend, buf, &greedy, k, k, choice, vocab)?);
+            tokens.push(choose(backend, buf, &greedy, k, choice, vocab)?);
         }
         i += n;
     }
@@ -579,21 +579,20 @@ fn run_step<B: Backend>(
         .collect())
 }
 
-/// The token of a row whose argmax is `greedy[at]` and whose logits are logits row `logits_row`.
+/// The token of logits row `row`, whose argmax is `greedy[row]`.
 fn choose<B: Backend>(
     backend: &B,
     buf: &Buffers<B>,
     greedy: &[u32],
-    at: usize,
-    logits_row: usize,
+    row: usize,
     choice: &Choice,
     vocab: usize,
 ) -> Result<u32> {
     Ok(match choice {
-        Choice::Greedy => greedy[at],
+        Choice::Greedy => greedy[row],
         sample => {
-            let row = backend.read_float(&buf.logits, logits_row * vocab, vocab)?;
-            choose_on_host(&row, sample)
+            let logits = backend.read_float(&buf.logits, row * vocab, vocab)?;
+            choose_on_host(&logits, sample)
         }
     })
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tinyloop::model::layout::expected_tensors;
 use tinyloop::model::synth::{preset, random_model};
-use tinyloop::{Device, Model, ModelOptions};
+use tinyloop::{Device, GenerateParams, Model, ModelOptions, SamplingParams};
 
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
@@ -301,4 +301,43 @@ pub fn loop_body_bytes(
 /// The index of a row's largest value (the first of equal ones), as greedy decoding picks it.
 pub fn argmax(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, j| if row[j] > row[best] { j } else { best }) as u32
+}
+
+/// Whether to run CUDA work: true with a device; otherwise print why and return false, or fail
+/// when TINYLOOP_REQUIRE_CUDA=1 (set by the GPU bundle's run-tests.sh).
+pub fn cuda_or_skip(test: &str) -> bool {
+    use std::io::Write;
+    match tinyloop::backend::cuda::available() {
+        Ok(_) => true,
+        Err(why) => {
+            if std::env::var("TINYLOOP_REQUIRE_CUDA").as_deref() == Ok("1") {
+                panic!("{test}: TINYLOOP_REQUIRE_CUDA=1 but there is no usable CUDA device: {why}");
+            }
+            // Straight to stderr: the test harness does not capture this, so a skip is visible.
+            let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({why}): {test}");
+            false
+        }
+    }
+}
+
+/// Greedy generation of `max_tokens` tokens at `loops` loops.
+pub fn greedy_params(max_tokens: usize, loops: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        loops: Some(loops),
+        ..GenerateParams::default()
+    }
+}
+
+/// Sampling with a seed (temperature 0.9, top-k 40, top-p 0.95).
+pub fn sampled_params(seed: u64, max_tokens: usize, loops: usize) -> GenerateParams {
+    GenerateParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        },
+        ..greedy_params(max_tokens, loops)
+    }
 }
