@@ -17,6 +17,10 @@
 #define BN 64
 #define BK 32
 #define SROW (BK / 2 + 4) // u32 words per shared row: 16 (32 halves) + 4 padding
+// Both kernels sum K in segments of this many: each segment's products from zero, then the
+// segments' sums in order. The small-M kernel computes the segments in parallel; the order of
+// additions is the same.
+#define GEMM_SEGMENT 256
 
 // (1024 + c0, 1024 + c1) as f16x2 minus (1024, 1024): the codes as exact f16 values.
 DEV u32 codes_to_f16x2(u32 pair) {
@@ -70,13 +74,8 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
     const int G = Q ? K / group : 1;
     const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
 
-    float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+    float acc[2][4][4] = {};   // the current segment
+    float total[2][4][4] = {}; // the segments before it
 
     // Software pipeline: the next K tile's global loads are in flight (in registers) while the
     // tensor cores work on the current tile in shared memory.
@@ -184,6 +183,17 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
                 }
             }
         }
+        if ((k0 + BK) % GEMM_SEGMENT == 0 || !more) {
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        total[mt][nt][e] = __fadd_rn(total[mt][nt][e], acc[mt][nt][e]);
+                        acc[mt][nt][e] = 0.0f;
+                    }
+        }
         __syncthreads();
         if (more) {
             store_tile();
@@ -201,160 +211,198 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
                 const int n = n0 + wn * 32 + nt * 8 + t * 2 + (e & 1);
                 if (m < M && n < N) {
                     const size_t o = (size_t)m * N + n;
-                    out[o] = accumulate ? __fadd_rn(out[o], acc[mt][nt][e]) : acc[mt][nt][e];
+                    out[o] = accumulate ? __fadd_rn(out[o], total[mt][nt][e]) : total[mt][nt][e];
                 }
             }
         }
     }
 }
 
-// Products of at most 16 rows (a speculative verify pass, a short prompt). There the 64 x 64
-// kernel is bound by latency, not by bytes: it keeps one K tile per block in flight and, for
-// N = 2048, runs 32 blocks. This one takes one 16-row MMA tile of X and 16 weight rows per block
-// (8 per warp), and streams both through a SMALL_STAGES-deep cp.async pipeline of K slices, the
-// weights' first slices requested before the predecessor kernel finishes.
+// Products of few rows (decode rows of a batch, a speculative verify pass, a short prompt).
+// There the 64 x 64 kernel is bound by latency, not by bytes: each block walks the whole of K one
+// tile after the other, and for N = 2048 only 32 blocks run. This one splits K among the warps
+// of a block: its SMALL_WARPS warps form `col_groups` groups of 16 weight rows (one per warp)
+// times SMALL_WARPS / col_groups K groups; each K group takes one segment at a time (in waves when
+// K has more), over up to 16 * MT rows of X (MT MMA tiles). A warp loads its fragments straight
+// from global memory one tile ahead of the math (the warps of a K group read the same X, which
+// L1 then serves) and leaves the segment's partial sums in shared memory, where they are added
+// in segment order. More column groups read X less often per weight byte; fewer give more
+// blocks: the host picks per shape.
 //
-// Every output takes the operations of the 64 x 64 kernel in the same order (per 32-wide K tile:
-// two MMAs from zero for T, the same two against ones for S, then add_dequantized), so a row's
-// result does not depend on which of the two computed it.
-#define SMALL_ROWS 16
-#define SMALL_COLS 16 // 2 warps of 8
-#define SMALL_STAGES 4
+// Every output takes the operations of the 64 x 64 kernel in the same order (per segment, from
+// zero: per 32-wide K tile, two MMAs from zero for T, the same two against ones for S, then
+// add_dequantized; the segments' sums added in order), so a row's result does not depend on which
+// kernel, which MT or which column grouping computed it.
+#define SMALL_WARPS 8 // warps per block
+#define SMALL_OUTS 8  // outputs per thread in the final sums: MT * col_groups <= 8
 
-template <int BITS> struct SmallTile {
-    static constexpr int KS = BITS == 16 ? 128 : 256;    // K per stage
-    static constexpr int XROW = KS * 2 + 16;             // bytes per staged X row, padded so
-    static constexpr int WROW = KS * BITS / 8 + 16;      // fragment loads avoid bank conflicts
-    static constexpr int WCHUNK = BITS == 2 ? 8 : 16;    // INT2 rows are only 8-byte aligned
-    static constexpr int X_BYTES = SMALL_ROWS * XROW;
-    static constexpr int STAGE = X_BYTES + SMALL_COLS * WROW;
+// One warp's fragments of a 32-wide K tile: weights of its 2 column tiles (as f16x2 codes, or
+// f16 values), their scales and zeros, and X of its MT row tiles.
+template <int MT> struct SmallFrags {
+    u32 b[2][2][2]; // [column tile][16-wide half][fragment word]
+    float2 sz[2][2]; // [column tile][column pair element]
+    u32 a[MT][2][4]; // [row tile][16-wide half][fragment word]
 };
 
-template <int BITS>
+template <int BITS, int MT>
+DEV void small_load_weights(SmallFrags<MT>& f, const u8* __restrict__ W,
+                            const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
+                            int G, int group, size_t row_bytes, int n0, int k0, u64 policy) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+        const int n = n0 + nt * 8 + g;
+        const u8* row = W + (size_t)min(n, N - 1) * row_bytes;
+        if (BITS == 4) {
+            const uint4 w = ld_w16(row + k0 / 2, policy);
+            f.b[nt][0][0] = q4_pair(w.x, t);
+            f.b[nt][0][1] = q4_pair(w.y, t);
+            f.b[nt][1][0] = q4_pair(w.z, t);
+            f.b[nt][1][1] = q4_pair(w.w, t);
+        } else if (BITS == 2) {
+            const uint2 w = ld_w8(row + k0 / 4, policy);
+            f.b[nt][0][0] = q2_pair(w.x, t);
+            f.b[nt][0][1] = q2_pair(w.x, t + 4);
+            f.b[nt][1][0] = q2_pair(w.y, t);
+            f.b[nt][1][1] = q2_pair(w.y, t + 4);
+        } else {
+            const u8* p = row + (size_t)k0 * 2 + t * 4;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                f.b[nt][h][0] = ld_w4(p + h * 32, policy);
+                f.b[nt][h][1] = ld_w4(p + h * 32 + 16, policy);
+            }
+        }
+        // Rows past N are computed from row N - 1 and never stored.
+        if (BITS != 16) {
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                f.sz[nt][e] = scale_zero(sz, zeros, n0 + nt * 8 + t * 2 + e, N, G, k0 / group);
+        }
+    }
+}
+
+template <int MT>
+DEV void small_load_x(SmallFrags<MT>& f, const f16_t* __restrict__ X, int M, int K, int m0,
+                      int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int r0 = m0 + mt * 16 + g, r1 = r0 + 8;
+        const u32* x0 = (const u32*)(X + (size_t)r0 * K + k0) + t;
+        const u32* x1 = (const u32*)(X + (size_t)r1 * K + k0) + t;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            f.a[mt][h][0] = r0 < M ? x0[h * 8] : 0u;
+            f.a[mt][h][1] = r1 < M ? x1[h * 8] : 0u;
+            f.a[mt][h][2] = r0 < M ? x0[h * 8 + 4] : 0u;
+            f.a[mt][h][3] = r1 < M ? x1[h * 8 + 4] : 0u;
+        }
+    }
+}
+
+// acc += this tile's contribution, as the 64 x 64 kernel adds it.
+template <int BITS, int MT>
+DEV void small_tile(float (&acc)[MT][2][4], const SmallFrags<MT>& f) {
+    const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        if (BITS == 16) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) mma16816(acc[mt][nt], f.a[mt][h], f.b[nt][h]);
+            continue;
+        }
+        float tq[2][4] = {}, px[4] = {};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) mma16816(tq[nt], f.a[mt][h], f.b[nt][h]);
+            mma16816(px, f.a[mt][h], ones);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) add_dequantized(acc[mt][nt], tq[nt], px, e, f.sz[nt][e]);
+    }
+}
+
+template <int BITS, int MT>
 DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
                     const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
-                    int group, int stream_hint, float* __restrict__ out, int accumulate) {
-    using T = SmallTile<BITS>;
-    __shared__ __align__(16) u8 stages[SMALL_STAGES][T::STAGE];
-    const bool Q = BITS != 16;
+                    int group, int stream_hint, float* __restrict__ out, int accumulate,
+                    int col_groups) {
+    // Partial sums of one wave: [K group][row][column] over the block's 16 MT x 16 col_groups.
+    __shared__ float partial[SMALL_WARPS * 16 * MT * 16];
     const u64 policy = l2_policy(stream_hint != 0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * SMALL_ROWS, n0 = blockIdx.x * SMALL_COLS;
+    const int cols = 16 * col_groups, k_groups = SMALL_WARPS / col_groups;
+    const int cg = warp % col_groups, kg = warp / col_groups;
+    const int m0 = blockIdx.y * 16 * MT, nb = blockIdx.x * cols, n0 = nb + cg * 16;
+    const int outs = 16 * MT * cols;
     const size_t row_bytes = (size_t)K * BITS / 8;
-    const int G = Q ? K / group : 1;
-    const int slices = (K + T::KS - 1) / T::KS;
-    const u32 base = smem_addr(stages);
-    const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
+    const int G = BITS != 16 ? K / group : 1;
+    const int segments = (K + GEMM_SEGMENT - 1) / GEMM_SEGMENT;
 
-    // Slice s of the weights and of X into stage s % SMALL_STAGES; chunks past K, N or M read
-    // nothing and land as zeros.
-    auto copy_weights = [&](int s) {
-        const u32 dst = base + (s % SMALL_STAGES) * T::STAGE + T::X_BYTES;
-        const int per_row = T::KS * BITS / 8 / T::WCHUNK;
-        for (int c = tid; c < SMALL_COLS * per_row; c += blockDim.x) {
-            const int r = c / per_row, part = c - r * per_row;
-            const size_t at = (size_t)s * T::KS * BITS / 8 + (size_t)part * T::WCHUNK;
-            const bool in = n0 + r < N && at < row_bytes;
-            const u8* src = in ? W + (size_t)(n0 + r) * row_bytes + at : W;
-            const u32 d = dst + r * T::WROW + part * T::WCHUNK;
-            if (T::WCHUNK == 16) {
-                cp_async16_w(d, src, in ? 16 : 0, policy);
-            } else {
-                cp_async8_w(d, src, in ? 8 : 0, policy);
-            }
-        }
-    };
-    auto copy_x = [&](int s) {
-        const u32 dst = base + (s % SMALL_STAGES) * T::STAGE;
-        const int per_row = T::KS * 2 / 16;
-        for (int c = tid; c < SMALL_ROWS * per_row; c += blockDim.x) {
-            const int r = c / per_row, part = c - r * per_row;
-            const int k = s * T::KS + part * 8;
-            const bool in = m0 + r < M && k < K;
-            const f16_t* src = in ? X + (size_t)(m0 + r) * K + k : X;
-            cp_async16(dst + r * T::XROW + part * 16, src, in ? 16 : 0);
-        }
-    };
-
-    // The first slices' weights are requested before the predecessor has finished (they are
-    // immutable); each group from then on holds one slice of X, the first also these weights.
-    for (int s = 0; s < SMALL_STAGES - 1 && s < slices; s++) copy_weights(s);
+    // The first tile's weights are requested before the predecessor has finished (they are
+    // immutable).
+    SmallFrags<MT> next;
+    if (kg < segments)
+        small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
+                                     kg * GEMM_SEGMENT, policy);
     kernel_start();
-    for (int s = 0; s < SMALL_STAGES - 1; s++) {
-        if (s < slices) copy_x(s);
-        cp_async_commit();
-    }
 
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int col = warp * 8 + g; // this thread's weight row within the block, for B fragments
-    for (int s = 0; s < slices; s++) {
-        cp_async_wait<SMALL_STAGES - 2>();
-        __syncthreads();
-        // Refill the stage every thread finished with in the previous iteration.
-        const int next = s + SMALL_STAGES - 1;
-        if (next < slices) {
-            copy_weights(next);
-            copy_x(next);
-        }
-        cp_async_commit();
-
-        const u8* stage = stages[s % SMALL_STAGES];
-        const u8* xg = stage + g * T::XROW;
-        const u8* xg8 = stage + (g + 8) * T::XROW;
-        const u8* wrow = stage + T::X_BYTES + col * T::WROW;
-        const int tiles = min(T::KS, K - s * T::KS) / 32;
-        for (int j = 0; j < tiles; j++) {
-            // This 32-wide tile's weight pairs k = 2p, 2p + 1 for p = t, t + 4, t + 8, t + 12,
-            // as the 64 x 64 kernel's B fragments hold them.
-            u32 b[2][2];
-            if (BITS == 4) {
-                const uint4 w = *(const uint4*)(wrow + j * 16);
-                b[0][0] = q4_pair(w.x, t);
-                b[0][1] = q4_pair(w.y, t);
-                b[1][0] = q4_pair(w.z, t);
-                b[1][1] = q4_pair(w.w, t);
-            } else if (BITS == 2) {
-                const uint2 w = *(const uint2*)(wrow + j * 8);
-                b[0][0] = q2_pair(w.x, t);
-                b[0][1] = q2_pair(w.x, t + 4);
-                b[1][0] = q2_pair(w.y, t);
-                b[1][1] = q2_pair(w.y, t + 4);
-            } else {
-                const u32* w = (const u32*)(wrow + j * 64);
-                b[0][0] = w[t];
-                b[0][1] = w[t + 4];
-                b[1][0] = w[t + 8];
-                b[1][1] = w[t + 12];
-            }
-            float tq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, px[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int k = (j * 32 + h * 16 + 2 * t) * 2; // byte offset of k = 2t in the row
-                const u32 a[4] = {*(const u32*)(xg + k), *(const u32*)(xg8 + k),
-                                  *(const u32*)(xg + k + 16), *(const u32*)(xg8 + k + 16)};
-                mma16816(Q ? tq : acc, a, b[h]);
-                if (Q) mma16816(px, a, ones);
-            }
-            if (Q) {
-                const int gi = (s * T::KS + j * 32) / group;
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int n = n0 + warp * 8 + t * 2 + e;
-                    add_dequantized(acc, tq, px, e, scale_zero(sz, zeros, n, N, G, gi));
+    float total[SMALL_OUTS] = {}; // outputs tid + 256 i of the block, in (row, column) order
+    for (int first = 0; first < segments; first += k_groups) {
+        const int seg = first + kg;
+        if (seg < segments) {
+            const int k_begin = seg * GEMM_SEGMENT, k_end = min(K, k_begin + GEMM_SEGMENT);
+            if (first > 0)
+                small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
+                                             k_begin, policy);
+            small_load_x<MT>(next, X, M, K, m0, k_begin);
+            float acc[MT][2][4] = {};
+            for (int k0 = k_begin; k0 < k_end; k0 += 32) {
+                const SmallFrags<MT> cur = next;
+                if (k0 + 32 < k_end) {
+                    small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
+                                                 k0 + 32, policy);
+                    small_load_x<MT>(next, X, M, K, m0, k0 + 32);
                 }
+                small_tile<BITS, MT>(acc, cur);
             }
+            float* mine = partial + kg * outs + cg * 16;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int m = mt * 16 + g + (e >= 2 ? 8 : 0);
+                        mine[m * cols + nt * 8 + t * 2 + (e & 1)] = acc[mt][nt][e];
+                    }
         }
+        __syncthreads();
+        const int here = min(k_groups, segments - first);
+#pragma unroll
+        for (int i = 0; i < SMALL_OUTS; i++) {
+            const int o = tid + 256 * i;
+            if (o < outs)
+                for (int w = 0; w < here; w++)
+                    total[i] = __fadd_rn(total[i], partial[w * outs + o]);
+        }
+        __syncthreads();
     }
-    cp_async_wait<0>();
 
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const int m = m0 + g + (e >= 2 ? 8 : 0);
-        const int n = n0 + warp * 8 + t * 2 + (e & 1);
-        if (m < M && n < N) {
-            const size_t o = (size_t)m * N + n;
-            out[o] = accumulate ? __fadd_rn(out[o], acc[e]) : acc[e];
+    for (int i = 0; i < SMALL_OUTS; i++) {
+        const int o = tid + 256 * i;
+        const int m = m0 + o / cols, n = nb + o % cols;
+        if (o < outs && m < M && n < N) {
+            const size_t at = (size_t)m * N + n;
+            out[at] = accumulate ? __fadd_rn(out[at], total[i]) : total[i];
         }
     }
 }
@@ -368,18 +416,26 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         gemm<B>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate);                         \
     }
 
-// grid (ceil(N / 16), ceil(M / 16)), 64 threads; the arguments of gemm_b*.
-#define GEMM_SMALL_KERNEL(B)                                                                       \
-    extern "C" __global__ void __launch_bounds__(64)                                               \
-        gemm_small_b##B(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,                \
-                        const f16_t* zeros, int N, int group, int stream, float* out,              \
-                        int accumulate) {                                                          \
-        gemm_small<B>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate);                   \
+// grid (ceil(N / (16 col_groups)), ceil(M / (16 MT))), 32 SMALL_WARPS threads; the arguments
+// of gemm_b*, then col_groups (1, 2 or 4, with MT * col_groups <= SMALL_OUTS). Two blocks a
+// SM where one or two row tiles leave the registers for it.
+#define GEMM_SMALL_KERNEL(B, MT, MIN_BLOCKS)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * SMALL_WARPS, MIN_BLOCKS)                     \
+        gemm_small_b##B##_m##MT(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
+                                const f16_t* zeros, int N, int group, int stream, float* out,      \
+                                int accumulate, int col_groups) {                                  \
+        gemm_small<B, MT>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate, col_groups);   \
     }
 
 GEMM_KERNEL(16)
 GEMM_KERNEL(4)
 GEMM_KERNEL(2)
-GEMM_SMALL_KERNEL(16)
-GEMM_SMALL_KERNEL(4)
-GEMM_SMALL_KERNEL(2)
+GEMM_SMALL_KERNEL(16, 1, 2)
+GEMM_SMALL_KERNEL(16, 2, 2)
+GEMM_SMALL_KERNEL(16, 4, 1)
+GEMM_SMALL_KERNEL(4, 1, 2)
+GEMM_SMALL_KERNEL(4, 2, 2)
+GEMM_SMALL_KERNEL(4, 4, 1)
+GEMM_SMALL_KERNEL(2, 1, 2)
+GEMM_SMALL_KERNEL(2, 2, 2)
+GEMM_SMALL_KERNEL(2, 4, 1)

@@ -328,6 +328,50 @@ fn cuda_linear_matches_cpu() {
     ));
 }
 
+/// A row's product is the same bits whatever rows are computed with it, across both GEMM
+/// kernels (64 x 64 tiles where they fill the GPU: the 300-row products here; blocks of 16 weight
+/// rows otherwise) and every row-tile count of the small one (1, 2 and 4 MMA tiles per block),
+/// for K of one segment, several, and more segments than one block's warps take in a wave.
+#[test]
+fn cuda_product_rows_do_not_depend_on_the_rows_with_them() {
+    if !cuda_or_skip("cuda_product_rows_do_not_depend_on_the_rows_with_them") {
+        return;
+    }
+    let gpu = gpu();
+    let mut rng = Rng::new(11);
+    let total = 300;
+    for &(n, k, g) in &[
+        (4096, 256, 128),
+        (4096, 2560, 128),
+        (520, 2048, 64),
+        (96, 4608, 128),
+    ] {
+        for bits in [16, 4, 2] {
+            let (dtype, group_size, bytes) = host_weight(&mut rng, n, k, bits, g);
+            let w = HostLinear {
+                rows: n,
+                cols: k,
+                dtype,
+                group_size,
+                bytes: &bytes,
+            };
+            let x = randn(&mut rng, total * k, 1.0);
+            let zero = vec![0f32; total * n];
+            let all = linear_on(&gpu, &w, &x, 0, total, &zero, false);
+            for (first, rows) in [(0, 5), (7, 16), (20, 30), (33, 61), (100, 100), (250, 50)] {
+                let part = linear_on(&gpu, &w, &x, first, rows, &zero[..rows * n], false);
+                assert!(
+                    part == all[first * n..(first + rows) * n],
+                    "linear N={n} K={k} g={g} bits={bits}: rows {first}..{} alone differ from \
+                     the same rows of a {total}-row product",
+                    first + rows
+                );
+            }
+        }
+    }
+    report("op linear: rows 5 to 100 bit-identical to the same rows of a 300-row product");
+}
+
 #[test]
 fn cuda_norms_match_cpu() {
     if !cuda_or_skip("cuda_norms_match_cpu") {

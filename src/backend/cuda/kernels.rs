@@ -85,8 +85,15 @@ pub(crate) const GEMV_ROWS: [usize; 3] = [1, 2, 4];
 /// The 8-value chunks per thread of the normalizing GEMV variants (cuda/gemv.cu `NormRow`): rows
 /// of up to `8 · 256 · chunks` values.
 pub(crate) const GEMV_NORM_CHUNKS: [usize; 2] = [1, 3];
-/// The rows of one `gemm_small` tile (one MMA tile of rows; cuda/gemm.cu).
-pub(crate) const SMALL_GEMM_ROWS: usize = 16;
+/// The rows of one MMA tile, and the tiles of rows per block that `gemm_small` is instantiated
+/// for, in index order (cuda/gemm.cu).
+pub(crate) const MMA_ROWS: usize = 16;
+pub(crate) const SMALL_GEMM_TILES: [usize; 3] = [1, 2, 4];
+/// `gemm_small`'s threads per block, its groups of 16 weight rows per block (the most first), and
+/// its outputs per thread (row tiles times column groups).
+pub(crate) const SMALL_GEMM_THREADS: u32 = 256;
+pub(crate) const SMALL_GEMM_COL_GROUPS: [usize; 3] = [4, 2, 1];
+pub(crate) const SMALL_GEMM_OUTS: usize = 8;
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
 /// Head dimensions the tensor-core prefill attention is instantiated for, in index order.
@@ -117,8 +124,9 @@ pub(crate) struct Kernels {
     pub gemv_gateup_norm: [[sys::CUfunction; 2]; 3],
     /// `[bits index]`
     pub gemm: [sys::CUfunction; 3],
-    /// `[bits index]`: products in tiles of [`SMALL_GEMM_ROWS`] rows.
-    pub gemm_small: [sys::CUfunction; 3],
+    /// `[bits index][tiles index]`: products of few rows, [`SMALL_GEMM_TILES`] MMA tiles of
+    /// rows per block.
+    pub gemm_small: [[sys::CUfunction; 3]; 3],
     pub linear_generic: sys::CUfunction,
     /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
@@ -663,6 +671,15 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
+    let by_tiles = |prefix: &str| -> Result<[[sys::CUfunction; 3]; 3]> {
+        let mut out = [[std::ptr::null_mut(); 3]; 3];
+        for (i, bits) in BITS.iter().enumerate() {
+            for (j, tiles) in SMALL_GEMM_TILES.iter().enumerate() {
+                out[i][j] = get(GEMM, &format!("{prefix}_b{bits}_m{tiles}"))?;
+            }
+        }
+        Ok(out)
+    };
     let by_bits_one = |program: &dyn Fn(usize) -> usize, prefix: &str| {
         let mut out = [std::ptr::null_mut(); 3];
         for (i, bits) in BITS.iter().enumerate() {
@@ -691,7 +708,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemv_norm: by_chunks("gemv_norm")?,
             gemv_gateup_norm: by_chunks("gemv_gateup_norm")?,
             gemm: by_bits_one(&|_| GEMM, "gemm")?,
-            gemm_small: by_bits_one(&|_| GEMM, "gemm_small")?,
+            gemm_small: by_tiles("gemm_small")?,
             linear_generic: get(GEMV, "linear_generic")?,
             attention: [
                 get(ATTENTION, "attention_dj1")?,

@@ -229,10 +229,9 @@ impl CudaBackend {
     }
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` without the GEMV path (`out` rows are `range.len()` wide):
-    /// the tensor-core GEMM (64 × 64 tiles where they fill the GPU, tiles of
-    /// [`kernels::SMALL_GEMM_ROWS`] rows and 16 columns otherwise: at most that many rows, or a
-    /// product too narrow for the large tiles to give every SM a block), or the generic kernel
-    /// for shapes it does not take. Each output is accumulated in the same order whatever `rows`
+    /// the tensor-core GEMM (64 × 64 tiles where they fill the GPU; otherwise, and for at most
+    /// one MMA tile of rows, blocks of 16 weight rows whose warps take K in parallel segments),
+    /// or the generic kernel for shapes it does not take. Each output is accumulated in the same order whatever `rows`
     /// is, in both tilings, so a row's result does not depend on the rows computed with it.
     pub(super) fn product(
         &self,
@@ -284,14 +283,28 @@ impl CudaBackend {
             acc,
         ];
         let large_tiles_fill = n.div_ceil(64) * rows.div_ceil(64) >= self.gpu.sms;
-        if rows <= kernels::SMALL_GEMM_ROWS || !large_tiles_fill {
-            let row_tiles = rows.div_ceil(kernels::SMALL_GEMM_ROWS);
-            let grid = (n.div_ceil(16) as u32, row_tiles as u32, 1);
+        if rows <= kernels::MMA_ROWS || !large_tiles_fill {
+            let mma_tiles = rows.div_ceil(kernels::MMA_ROWS);
+            let ti = kernels::SMALL_GEMM_TILES
+                .iter()
+                .position(|&t| t >= mma_tiles)
+                .unwrap_or(kernels::SMALL_GEMM_TILES.len() - 1);
+            let tiles = kernels::SMALL_GEMM_TILES[ti];
+            let row_blocks = rows.div_ceil(tiles * kernels::MMA_ROWS);
+            // The widest blocks that still give every SM one: X is read once per block.
+            let col_groups = kernels::SMALL_GEMM_COL_GROUPS
+                .into_iter()
+                .filter(|&c| c * tiles <= kernels::SMALL_GEMM_OUTS)
+                .find(|&c| n.div_ceil(16 * c) * row_blocks >= self.gpu.sms)
+                .unwrap_or(1);
+            let grid = (n.div_ceil(16 * col_groups) as u32, row_blocks as u32, 1);
+            let mut args = args.to_vec();
+            args.push(Arg::usize(col_groups));
             return self.run(
                 "gemm_small",
-                k.gemm_small[w.bits_index()],
+                k.gemm_small[w.bits_index()][ti],
                 grid,
-                64,
+                kernels::SMALL_GEMM_THREADS,
                 0,
                 &args,
             );
