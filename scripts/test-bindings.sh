@@ -20,6 +20,10 @@
 #              models/demo.tinyloop
 #   serve      `tinyloop MODEL serve` on 127.0.0.1 answering the official `openai` client
 #              (tests/serve, in a fresh venv with openai and pytest)
+#   ray        the Ray Serve deployment (tinyloop_py.serve, docs/DEPLOY.md) on a local Ray
+#              cluster on the CPU: `pip install "bindings/python[serve]"` (the pinned ray[serve])
+#              with openai and pytest into a fresh venv, then tests/ray (2 cores: ~3 min with a
+#              warm pip cache, ~5 min with a cold one)
 #   go         go vet + go test in bindings/go (through pkg-config and the installed prefix)
 #   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
 #   consumers  tests/consumers built outside the repository against the installed prefix: C with
@@ -56,7 +60,7 @@ export GOCACHE="$OUTSIDE/go-cache"
 export TINYLOOP_KERNEL_CACHE="${TINYLOOP_KERNEL_CACHE:-$WORK/kernel-cache}"
 
 ALL_STEPS=(header c-so c-static c-abi c-seed valgrind valgrind-seed valgrind-abi asan install python fresh-venv
-    serve go cpp consumers)
+    serve ray go cpp consumers)
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${ALL_STEPS[@]}")
 declare -A RESULT=()
@@ -82,7 +86,7 @@ fi
 { wants go || wants consumers; } && need go golang-go
 { wants install || wants go || wants consumers; } && need pkg-config pkg-config
 wants consumers && need cmake cmake && need g++ g++
-if wants python || wants fresh-venv; then
+if wants python || wants fresh-venv || wants ray; then
     need python3 python3
     python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing_pkgs+=(python3-venv python3-pip)
 fi
@@ -292,6 +296,21 @@ step_serve() {
     python3 -m venv "$venv" && "$venv/bin/python" -m pip install -q openai pytest || return 1
     TINYLOOP_BIN="$REL/tinyloop" TINYLOOP_DEMO_MODEL="$ROOT/models/demo.tinyloop" \
         PYTHONDONTWRITEBYTECODE=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/serve
+}
+
+step_ray() {
+    # The package with its `serve` extra, as a user installs it; no precompiled kernels (the
+    # tests run on the CPU). The tests run from outside the repository, against the package
+    # in the venv, with a bound on the whole run.
+    local venv="$OUTSIDE/ray-venv"
+    python3 -m venv "$venv" &&
+        TINYLOOP_SHIP_KERNELS=0 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+            "$ROOT/bindings/python[serve]" openai pytest || return 1
+    (
+        cd "$OUTSIDE" && unset TINYLOOP_LIB && export PYTHONDONTWRITEBYTECODE=1 \
+            TINYLOOP_DEMO_MODEL="$ROOT/models/demo.tinyloop" RAY_USAGE_STATS_ENABLED=0 &&
+            timeout 600 "$venv/bin/python" -m pytest -q -rP -p no:cacheprovider "$ROOT/tests/ray"
+    )
 }
 
 step_go() {
