@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from conftest import MODEL
 from tinyloop_py.serve import Options, app
+from tinyloop_py.serve.app import ENGINE_ARGS, MODEL_ARGS
 
 
 @pytest.mark.parametrize("args, message", [
@@ -31,6 +32,11 @@ def test_a_bad_argument_is_an_error_naming_it(args, message):
 def test_command_line_strings_become_the_options():
     o = Options(**{"model": MODEL, "replicas": "2", "loops": "4", "device": "cpu"})
     assert (o.replicas, o.loops, o.served_name) == (2, 4, "demo")
+    # The model and engine take only the options given; the rest keep the binding's defaults.
+    assert (o.args(MODEL_ARGS), o.args(ENGINE_ARGS)) == ({"device": "cpu"}, {})
+    set_ = Options(**{"model": MODEL, "kv_mode": "int8", "max_running": "8"})
+    assert set_.args(MODEL_ARGS) == {"device": "cpu", "kv_mode": "int8"}
+    assert set_.args(ENGINE_ARGS) == {"max_running": 8}
     engine = o.engine_deployment()
     assert engine["num_replicas"] == 2 and "autoscaling_config" not in engine
     assert engine["ray_actor_options"]["num_cpus"] == 1

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, Literal, Optional
+from typing import Any, AsyncIterator, Dict, Literal, Optional, Tuple
 
 import ray
 from fastapi import FastAPI, Request
@@ -38,6 +38,13 @@ from .router import PrefixRouter
 STATS_ACTOR = "tinyloop-stats"
 REPLICA_HEADER = "x-tinyloop-replica"
 
+#: Options that go to each replica's ``tinyloop_py.Model`` and ``tinyloop_py.Engine`` as they are
+#: (those left unset take the binding's defaults), and to Serve's ``AutoscalingConfig``.
+MODEL_ARGS = ("device", "kv_mode", "max_seq_len")
+ENGINE_ARGS = ("max_step_rows", "max_running", "page_size", "pool_positions", "max_queued")
+AUTOSCALING_ARGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+                    "downscale_delay_s", "look_back_period_s", "metrics_interval_s")
+
 
 class Options(BaseModel):
     """The application's arguments (``serve run tinyloop_py.serve:app KEY=VALUE ...``, or
@@ -47,8 +54,18 @@ class Options(BaseModel):
 
     model: str
     name: Optional[str] = None
+    loops: Optional[int] = Field(None, ge=1)
+    # Each replica: MODEL_ARGS, ENGINE_ARGS, and the CPU threads of its engine.
     device: Literal["cpu", "cuda"] = "cpu"
+    kv_mode: Optional[str] = None
+    max_seq_len: Optional[int] = Field(None, ge=0)
+    max_step_rows: Optional[int] = Field(None, ge=1)
+    max_running: Optional[int] = Field(None, ge=1)
+    page_size: Optional[int] = Field(None, ge=1)
+    pool_positions: Optional[int] = Field(None, ge=0)
+    max_queued: Optional[int] = Field(None, ge=1)
     threads: int = Field(1, ge=1)
+    # How many replicas: a fixed count, or AUTOSCALING_ARGS.
     replicas: Optional[int] = Field(None, ge=1)
     min_replicas: int = Field(1, ge=1)
     max_replicas: Optional[int] = Field(None, ge=1)
@@ -57,20 +74,14 @@ class Options(BaseModel):
     downscale_delay_s: float = Field(300, ge=0)
     look_back_period_s: float = Field(10, gt=0)
     metrics_interval_s: float = Field(2, gt=0)
-    max_ongoing_requests: int = Field(64, ge=1)
-    loops: Optional[int] = Field(None, ge=1)
-    kv_mode: Optional[str] = None
-    max_seq_len: int = Field(0, ge=0)
-    max_step_rows: int = Field(256, ge=1)
-    max_running: int = Field(64, ge=1)
-    page_size: int = Field(16, ge=1)
-    pool_positions: int = Field(0, ge=0)
-    max_queued: int = Field(4096, ge=1)
+    # Which replica takes a request, and what happens when it fails.
     routing: Literal["prefix", "pow2"] = "prefix"
     prefix_block_chars: int = Field(16, ge=1)
     prefix_min_match_chars: int = Field(64, ge=1)
     prefix_max_imbalance: int = Field(8, ge=0)
+    max_ongoing_requests: int = Field(64, ge=1)
     retries: int = Field(2, ge=0)
+    # Serve's care of the replicas.
     ingress_replicas: int = Field(1, ge=1)
     graceful_shutdown_timeout_s: float = Field(60, gt=0)
     health_check_period_s: float = Field(5, gt=0)
@@ -103,6 +114,10 @@ class Options(BaseModel):
             )
         return self
 
+    def args(self, names: Tuple[str, ...]) -> Dict[str, Any]:
+        """The options ``names`` that are set, as keyword arguments."""
+        return self.model_dump(include=set(names), exclude_none=True)
+
     @property
     def served_name(self) -> str:
         return self.name or os.path.splitext(os.path.basename(self.model))[0]
@@ -132,15 +147,7 @@ class Options(BaseModel):
         if self.max_replicas is None:
             out["num_replicas"] = self.replicas or 1
         else:
-            out["autoscaling_config"] = AutoscalingConfig(
-                min_replicas=self.min_replicas,
-                max_replicas=self.max_replicas,
-                target_ongoing_requests=self.target_ongoing_requests,
-                upscale_delay_s=self.upscale_delay_s,
-                downscale_delay_s=self.downscale_delay_s,
-                look_back_period_s=self.look_back_period_s,
-                metrics_interval_s=self.metrics_interval_s,
-            )
+            out["autoscaling_config"] = AutoscalingConfig(**self.args(AUTOSCALING_ARGS))
         if self.routing == "prefix":
             out["request_router_config"] = RequestRouterConfig(
                 request_router_class=PrefixRouter,
@@ -167,11 +174,8 @@ class TinyLoopEngine:
     def __init__(self, options: Dict[str, Any]):
         o = Options(**options)
         self.loops = o.loops
-        self.model = tl.Model(o.model, device=o.device, kv_mode=o.kv_mode,
-                              max_seq_len=o.max_seq_len, log=False)
-        self.engine = tl.Engine(self.model, max_step_rows=o.max_step_rows,
-                                max_running=o.max_running, page_size=o.page_size,
-                                pool_positions=o.pool_positions, max_queued=o.max_queued)
+        self.model = tl.Model(o.model, log=False, **o.args(MODEL_ARGS))
+        self.engine = tl.Engine(self.model, **o.args(ENGINE_ARGS))
         self.prompter = api.Prompter(self.model, o.model)
         replica_id = serve.get_replica_context().replica_id
         self.replica = replica_id.unique_id
@@ -182,9 +186,10 @@ class TinyLoopEngine:
         self._lock = threading.Lock()
         self._totals = {"prompt_tokens": 0, "cached_tokens": 0}
         self._gauges = {key: Gauge(name, description=help) for name, _, help, key in ENGINE_METRICS}
+        self._stats_period_s = o.stats_period_s
         self._stopped = threading.Event()
-        self._reporter = threading.Thread(target=self._report_loop, args=(o.stats_period_s,),
-                                          name="tinyloop-stats", daemon=True)
+        self._reporter = threading.Thread(target=self._report_loop, name="tinyloop-stats",
+                                          daemon=True)
         self._reporter.start()
 
     # ---- serving
@@ -274,8 +279,8 @@ class TinyLoopEngine:
             out.update(self._totals)
         return out
 
-    def _report_loop(self, period_s: float) -> None:
-        board = None
+    def _report_loop(self) -> None:
+        period_s, board = self._stats_period_s, None
         while not self._stopped.wait(period_s):
             try:
                 stats = self.stats()
@@ -288,20 +293,30 @@ class TinyLoopEngine:
                 ray.get(board.put.remote(self.replica, stats), timeout=period_s + 5)
             except Exception:  # the board is being (re)started: find it again next period
                 board = None
+        # Stopping: leave the board after the last report (a replica that dies without
+        # stopping leaves it when its entry expires).
+        try:
+            board = board or serve.get_deployment_actor(STATS_ACTOR)
+            ray.get(board.put.remote(self.replica, None), timeout=5)
+        except Exception:
+            pass
 
     async def deployment_stats(self) -> Dict[str, Dict[str, int]]:
         """Every replica's latest stats (from the deployment's stats board)."""
         try:
             return await serve.get_deployment_actor(STATS_ACTOR).snapshot.remote()
-        except Exception:
+        except Exception:  # the board is being (re)started
             return {self.replica: self.stats()}
 
     def __del__(self) -> None:
-        self._stopped.set()
-        try:
-            serve.get_deployment_actor(STATS_ACTOR).put.remote(self.replica, None)
-        except Exception:
-            pass
+        """Serve calls this once the replica has drained, and Python again when it collects
+        the object: the engine and the model close once."""
+        stopped = getattr(self, "_stopped", None)
+        if stopped is None or stopped.is_set():
+            return  # __init__ failed before the engine was ready, or this ran already
+        stopped.set()
+        # Bounded: a report under way (period_s + 5 s at most), then the board's removal (5 s).
+        self._reporter.join(timeout=self._stats_period_s + 11)
         self.engine.close()
         self.model.close()
         self._pool.shutdown(wait=False)
@@ -321,9 +336,10 @@ http = FastAPI(title="TinyLoop", docs_url=None, redoc_url=None)
 
 
 class OpenAIIngress:
-    """The OpenAI routes. A request whose replica dies before any of its text was returned is
-    sent again (up to ``retries`` times); one that had returned text ends with an error the
-    client sees (for a stream, an error event after the text)."""
+    """The OpenAI routes. A request whose engine replica dies before the client got any of its
+    text (a request that is not streamed gets its text at the end) is sent to another replica,
+    up to ``retries`` times; a stream that had returned text ends with an error event after
+    it, which the client sees."""
 
     def __init__(self, engine: DeploymentHandle, name: str, retries: int):
         self.engine = engine
@@ -377,13 +393,15 @@ class OpenAIIngress:
         if job.stream:
             return StreamingResponse(self._sse(reply, events, started), headers=headers,
                                      media_type="text/event-stream")
-        text = []
+        text, first_text = [], True
         async for item in events:
-            if "restart" in item:
+            if "accepted" in item:  # sent again to another replica: its text starts anew
+                headers[REPLICA_HEADER] = item["accepted"]
                 text = []
             elif "text" in item:
-                if not text:
+                if first_text:
                     self.metrics.first(started)
+                    first_text = False
                 text.append(item["text"])
             elif "end" in item:
                 end = item["end"]
@@ -391,7 +409,7 @@ class OpenAIIngress:
                 return JSONResponse(reply.complete("".join(text), end), headers=headers)
             elif "error" in item:
                 return self._failed(kind, api.ApiError(*item["error"]))
-        return self._failed(kind, api.ApiError(500, "the request ended without finishing"))
+        return self._failed(kind, _UNFINISHED)
 
     async def _sse(self, reply: api.Reply, events, started: float) -> AsyncIterator[str]:
         def data(value: Dict[str, Any]) -> str:
@@ -399,12 +417,12 @@ class OpenAIIngress:
 
         if reply.kind == api.CHAT:
             yield data(reply.chunk("", role="assistant"))
-        first = True
+        first_text = True
         async for item in events:
             if "text" in item:
-                if first:
+                if first_text:
                     self.metrics.first(started)
-                    first = False
+                    first_text = False
                 yield data(reply.chunk(item["text"]))
             elif "end" in item:
                 end = item["end"]
@@ -413,23 +431,22 @@ class OpenAIIngress:
                 yield "data: [DONE]\n\n"
                 return
             elif "error" in item:
-                e = api.ApiError(*item["error"])
-                self.metrics.count(reply.kind, e.status)
-                yield data(e.body())
-                return
+                break
+        else:
+            item = {"error": [_UNFINISHED.status, _UNFINISHED.message]}
+        e = api.ApiError(*item["error"])
+        self.metrics.count(reply.kind, e.status)
+        yield data(e.body())
 
     async def _events(self, job: api.Job) -> AsyncIterator[Dict[str, Any]]:
         """The request's events from an engine replica. When the replica dies before the
-        request returned any text, the request goes to another (``{"restart": True}`` tells a
-        collector to drop what it had); after text, an error event ends it."""
-        attempt, sent_text, accepted = 0, False, False
+        request returned any text to the client, the request goes to another, whose
+        ``{"accepted": ...}`` tells a collector to drop what it had; a stream that had returned
+        text ends with an error event instead."""
+        attempt, sent_text = 0, False
         while True:
             try:
                 async for item in self.stream.generate.remote(job):
-                    if "accepted" in item:
-                        if accepted:
-                            continue  # a retry's: the caller has the first one
-                        accepted = True
                     sent_text = sent_text or "text" in item
                     yield item
                 return
@@ -444,12 +461,12 @@ class OpenAIIngress:
                 else:
                     attempt += 1
                     self.metrics.retried()
-                    if sent_text:
-                        yield {"restart": True}
-                        sent_text = False
                     continue
                 yield {"error": [503, message]}
                 return
+
+
+_UNFINISHED = api.ApiError(500, "the engine replica ended the request without finishing it")
 
 
 # --------------------------------------------------------------------------------------------

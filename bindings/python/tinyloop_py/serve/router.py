@@ -65,7 +65,7 @@ class PrefixRouter(RequestRouter):
         return prefix_hashes(text, self._block_chars) if isinstance(text, str) else []
 
     def _queue_len(self, replica: RunningReplica) -> int:
-        n = self._replica_queue_len_cache.get(replica.replica_id)
+        n = self.replica_queue_len_cache.get(replica.replica_id)
         return 0 if n is None else n
 
     def _two_choices(self, candidates: List[RunningReplica]) -> List[RunningReplica]:
