@@ -2,7 +2,6 @@
 step `ray`). Every wait here is bounded; the cluster listens on 127.0.0.1 only. The replicas'
 logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve)."""
 
-import concurrent.futures
 import os
 import pathlib
 import re
@@ -11,7 +10,6 @@ import threading
 import time
 import urllib.request
 
-import openai
 import pytest
 import ray
 import yaml
@@ -82,10 +80,6 @@ def deploy(args, name, route_prefix, timeout_s=180):
     assert done.get("ok"), f"application {name} was not running after {timeout_s} s"
 
 
-def client_for(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)
-
-
 def running_replicas(app_name):
     """How many engine replicas of ``app_name`` Serve reports RUNNING."""
     status = serve.status().applications.get(app_name)
@@ -126,26 +120,20 @@ def kill_replica(app_name, replica):
 
 
 class Reference:
-    """What one engine gives, greedily, for the same requests: the model's own text generation
-    in this process (tokenizer, end-of-sequence and stop strings on the Rust side)."""
+    """What one engine gives, greedily, for a text prompt: the model's own text generation in
+    this process (tokenizer and end-of-sequence tokens on the Rust side)."""
 
     def __init__(self):
         self.model = tinyloop_py.Model(MODEL, device="cpu", log=False)
         self._lock = threading.Lock()
         self._memo = {}
 
-    def completion(self, prompt, max_tokens, stop=None):
-        key = (prompt, max_tokens, tuple(stop or ()))
+    def completion(self, prompt, max_tokens):
         with self._lock:
-            if key not in self._memo:
-                self._memo[key] = self.model.generate(
-                    text=prompt, max_tokens=max_tokens, stop=list(stop or ()))
-            return self._memo[key]
-
-    def chat(self, messages, max_tokens):
-        # A byte-level model takes messages as a transcript ending in "assistant:".
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.completion(text, max_tokens)
+            if (prompt, max_tokens) not in self._memo:
+                self._memo[prompt, max_tokens] = self.model.generate(
+                    text=prompt, max_tokens=max_tokens)
+            return self._memo[prompt, max_tokens]
 
 
 @pytest.fixture(scope="session")
@@ -153,32 +141,3 @@ def reference():
     ref = Reference()
     yield ref
     ref.model.close()
-
-
-def request(client, kind, stream, max_tokens, prompt=None, messages=None, **extra):
-    """One request through the openai client; returns its whole text."""
-    if kind == "completion":
-        r = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens,
-                                      temperature=0, stream=stream, **extra)
-        if stream:
-            return "".join(c.choices[0].text for c in r)
-        return r.choices[0].text
-    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=max_tokens,
-                                       temperature=0, stream=stream, **extra)
-    if stream:
-        return "".join(c.choices[0].delta.content or "" for c in r)
-    return r.choices[0].message.content
-
-
-def burst(jobs, timeout_s):
-    """Run the callables of ``jobs`` at once; returns each one's ("ok", value) or ("error",
-    exception), within ``timeout_s`` for the whole burst."""
-    pool = concurrent.futures.ThreadPoolExecutor(len(jobs))
-    try:
-        futures = [pool.submit(job) for job in jobs]
-        _, not_done = concurrent.futures.wait(futures, timeout=timeout_s)
-        assert not not_done, (
-            f"{len(not_done)} of {len(jobs)} requests still running after {timeout_s} s")
-        return [("error", f.exception()) if f.exception() else ("ok", f.result()) for f in futures]
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)

@@ -6,8 +6,8 @@ equals what one engine gives."""
 import pytest
 from ray import serve
 
-from conftest import (burst, client_for, config_app, deploy, metrics, per_replica, request,
-                      running_replicas, wait_for)
+from conftest import config_app, deploy, metrics, per_replica, running_replicas, wait_for
+from openai_checks import burst, client_for, request
 
 
 @pytest.fixture(scope="module")

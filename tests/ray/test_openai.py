@@ -7,14 +7,17 @@ ends with an error naming the failure, and the client's retry completes), and de
 application lets a running stream finish."""
 
 import threading
+import time
 import urllib.request
 
 import openai
 import pytest
 from ray import serve
 
-from conftest import (burst, client_for, config_app, deploy, kill_replica, metrics, per_replica,
-                      request, running_replicas, wait_for)
+import openai_checks
+from conftest import (config_app, deploy, kill_replica, metrics, per_replica, running_replicas,
+                      wait_for)
+from openai_checks import burst, client_for, request, transcript
 
 PROMPTS = ["ROMEO:", "JULIET:", "HAMLET:", "KING HENRY:"]
 
@@ -33,92 +36,70 @@ def client(app):
     return client_for(app[0])
 
 
-def test_models_health_and_response_shapes(app, client, reference):
-    url, _ = app
-    assert [m.id for m in client.models.list().data] == ["demo"]
-    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+def test_models_and_health(app, client):
+    openai_checks.check_models(client)
+    with urllib.request.urlopen(app[0] + "/health", timeout=30) as r:
         assert r.read() == b"ok"
-    r = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=40, temperature=0)
-    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == "demo"
-    assert r.choices[0].text == reference.completion("ROMEO:", 40)
-    assert r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 40, 46)
-    chunks = list(client.completions.create(
-        model="demo", prompt="ROMEO:", max_tokens=40, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length"
-    messages = [{"role": "user", "content": "Speak, friend."}]
-    c = client.chat.completions.create(
-        model="demo", messages=messages, max_tokens=24, temperature=0)
-    assert c.id.startswith("chatcmpl-") and c.object == "chat.completion"
-    assert c.choices[0].message.role == "assistant"
-    assert c.choices[0].message.content == reference.chat(messages, 24)
-    streamed = list(client.chat.completions.create(
-        model="demo", messages=messages, max_tokens=24, temperature=0, stream=True))
-    assert streamed[0].object == "chat.completion.chunk"
-    assert streamed[0].choices[0].delta.role == "assistant"
-    text = "".join(s.choices[0].delta.content or "" for s in streamed)
-    assert text == reference.chat(messages, 24)
+
+
+def test_completions_equal_one_engine_streamed_or_not(client, reference):
+    openai_checks.check_completions(client, reference.completion)
+
+
+def test_chat_completions_equal_one_engine_streamed_or_not(client, reference):
+    openai_checks.check_chat(client, reference.completion)
 
 
 def test_stop_strings_end_the_text_before_them(client, reference):
-    full = reference.completion("ROMEO:", 60)
-    stop = full[10:14]
-    r = client.completions.create(
-        model="demo", prompt="ROMEO:", max_tokens=60, temperature=0, stop=[stop])
-    assert r.choices[0].text == full[: full.index(stop)]
-    assert r.choices[0].text == reference.completion("ROMEO:", 60, stop=[stop])
-    assert r.choices[0].finish_reason == "stop"
+    openai_checks.check_stop_strings(client, reference.completion)
 
 
 def test_bad_requests_are_400_with_a_message(client):
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="demo", prompt="x", max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="only n = 1"):
-        client.completions.create(model="demo", prompt="x", max_tokens=2, n=2)
-    with pytest.raises(openai.BadRequestError, match="loops must be in"):
-        client.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"loops": 0})
-    with pytest.raises(openai.BadRequestError, match="below vocab_size 256"):
-        client.completions.create(model="demo", prompt=[1, 2, 300], max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content must be a string"):
-        client.chat.completions.create(model="demo", messages=[{"role": "user"}], max_tokens=2)
+    openai_checks.check_bad_requests(client)
 
 
 def test_a_burst_of_concurrent_clients_all_complete_on_both_replicas(app, client, reference):
     url, _ = app
-    before = per_replica(metrics(url), "tinyloop_engine_tokens_total")
-    cases = []
+    ok = {kind: ("tinyloop_requests_total", f'endpoint="{kind}",status="200"')
+          for kind in ("completions", "chat_completions")}
+    before = metrics(url)
+    cases = []  # (kind, stream, request fields, expected text)
     for i in range(16):
-        prompt = PROMPTS[i % len(PROMPTS)]
-        kind, stream = ("completion", "chat")[i % 4 >= 2], bool(i % 2)
-        if kind == "completion":
-            cases.append((dict(prompt=prompt), reference.completion(prompt, 24)))
+        prompt, stream = PROMPTS[i % len(PROMPTS)], bool(i % 2)
+        if i % 4 < 2:
+            cases.append(("completion", stream, dict(prompt=prompt),
+                          reference.completion(prompt, 24)))
         else:
             messages = [{"role": "user", "content": prompt}]
-            cases.append((dict(messages=messages), reference.chat(messages, 24)))
-        cases[-1] = (kind, stream) + cases[-1]
+            cases.append(("chat", stream, dict(messages=messages),
+                          reference.completion(transcript(messages), 24)))
     results = burst([lambda c=c: request(client, c[0], c[1], 24, **c[2]) for c in cases], 300)
     assert results == [("ok", c[3]) for c in cases]
+    tokens_before = per_replica(before, "tinyloop_engine_tokens_total")
+
     # The engine stats reach /metrics within a period of the replicas' reports (1 s).
     def both_worked():
         after = per_replica(metrics(url), "tinyloop_engine_tokens_total")
-        grew = [r for r in after if after[r] > before.get(r, 0)]
+        grew = [r for r in after if after[r] > tokens_before.get(r, 0)]
         return len(after) == 2 and len(grew) == 2
     wait_for("both replicas to report tokens of the burst", both_worked, 30)
-    values = metrics(url)
-    assert values[("tinyloop_requests_total", 'endpoint="completions",status="200"')] >= 8
-    assert values[("tinyloop_requests_total", 'endpoint="chat_completions",status="200"')] >= 8
-    assert values[("tinyloop_engine_replicas", None)] == 2
-    assert sum(per_replica(values, "tinyloop_kv_pool_pages").values()) > 0
+    after = metrics(url)
+    # The ingress counts each response once: 8 completions and 8 chats, all 200.
+    assert {k: after[key] - before.get(key, 0) for k, key in ok.items()} == {
+        "completions": 8, "chat_completions": 8}
+    assert after[("tinyloop_engine_replicas", None)] == 2
+    assert all(v > 0 for v in per_replica(after, "tinyloop_kv_pool_pages").values())
 
 
 def test_prompts_sharing_a_prefix_stay_on_its_replica(client):
-    # Two system prompts of 200 characters (12 whole KV pages of 16 byte-tokens each).
-    families = {name: f"{name}: " + "Speak the speech, I pray you, trippingly. " * 5
+    # Two system prompts of 200 characters: the first 12 whole KV pages (16 byte-tokens each,
+    # 192 tokens) of every later request of a family are those its first request computed.
+    families = {name: (f"{name}: " + "Speak the speech, I pray you, trippingly. " * 5)[:200]
                 for name in ("CHORUS", "PROLOGUE")}
-    families = {k: v[:200] for k, v in families.items()}
     seen = {}
-    for i in range(3):
+    # Four later requests per family: power of two choices alone would keep all eight where
+    # their family started with probability 1/256.
+    for i in range(5):
         for name, system in families.items():
             raw = client.completions.with_raw_response.create(
                 model="demo", prompt=f"{system}\nQuestion {i}:", max_tokens=4, temperature=0)
@@ -186,17 +167,36 @@ def test_killing_a_replica_mid_burst_loses_no_request(app, client, reference):
 
 
 def test_deleting_the_application_lets_a_running_stream_finish(app, client, reference):
-    """Serve stops the replicas, and each drains what it holds before its engine closes."""
+    """Serve stops the replicas, and each drains what it holds before its engine closes (an
+    engine closed early would cut the stream with an error)."""
     _, name = app
-    stream = iter(client.completions.create(
-        model="demo", prompt="ROMEO:", max_tokens=96, temperature=0, stream=True))
-    first = next(stream)
+    # 256 tokens: seconds of generation on one engine thread.
+    stream = client.completions.create(
+        model="demo", prompt="ROMEO:", max_tokens=256, temperature=0, stream=True)
+    chunks, started = [], threading.Event()
+
+    def read():  # each chunk with the time it arrived
+        for c in stream:
+            chunks.append((time.monotonic(), c))
+            started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60), "no chunk within 60 s"
     deleting = threading.Thread(target=serve.delete, args=(name,))
     deleting.start()
-    rest = list(stream)
-    text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
-    assert text == reference.completion("ROMEO:", 96)
-    assert rest[-1].choices[0].finish_reason == "length"
+    wait_for("the application to be deleting",
+             lambda: serve.status().applications[name].status == "DELETING", 30)
+    deleting_seen = time.monotonic()
+    reader.join(120)
+    assert not reader.is_alive(), "the stream did not end within 120 s"
+    text = "".join(c.choices[0].text for _, c in chunks)
+    assert text == reference.completion("ROMEO:", 256)
+    assert chunks[-1][1].choices[0].finish_reason == "length"
+    # The stream was still running when the deletion had begun: the replica drained it.
+    late = sum(1 for t, c in chunks if t > deleting_seen and c.choices[0].text)
+    assert late, "the stream had ended before the application was seen deleting: nothing was tested"
+    print(f"{late} of {len(chunks)} chunks arrived after the application was seen deleting")
     deleting.join(120)
     assert not deleting.is_alive(), "serve.delete did not return"
     assert name not in serve.status().applications

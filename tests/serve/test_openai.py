@@ -3,17 +3,18 @@ completions (streamed and not), stop strings, bad requests, a bounded burst of c
 clients, /metrics and /health, and a graceful shutdown that lets a running stream finish.
 
 Run by scripts/test-bindings.sh (step `serve`) with TINYLOOP_BIN and TINYLOOP_DEMO_MODEL set; the
-server listens on 127.0.0.1 only and every request loop here is bounded."""
+server listens on 127.0.0.1 only and every request loop here is bounded. The checks shared with
+the Ray Serve deployment's tests are in tests/openai_checks.py."""
 
 import json
 import os
 import signal
 import subprocess
-import threading
 import urllib.request
 
-import openai
 import pytest
+
+import openai_checks
 
 CLI = os.environ["TINYLOOP_BIN"]
 MODEL = os.environ["TINYLOOP_DEMO_MODEL"]
@@ -41,7 +42,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_checks.client_for(server)
 
 
 def generate(prompt, max_tokens):
@@ -54,70 +55,31 @@ def generate(prompt, max_tokens):
 
 
 def test_models_list_the_served_model(client):
-    assert [m.id for m in client.models.list().data] == ["demo"]
+    openai_checks.check_models(client)
 
 
 def test_completions_equal_the_cli_streamed_or_not(client):
-    expected = generate("ROMEO:", 40)
-    r = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=40, temperature=0)
-    assert r.choices[0].text == expected
-    assert r.choices[0].finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, 40)
-    chunks = list(client.completions.create(
-        model="demo", prompt="ROMEO:", max_tokens=40, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == expected
-    assert chunks[-1].choices[0].finish_reason == "length"
+    openai_checks.check_completions(client, generate)
 
 
-def test_chat_completions_streamed_or_not(client):
-    messages = [{"role": "user", "content": "Speak, friend."}]
-    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=24, temperature=0)
-    text = r.choices[0].message.content
-    assert r.choices[0].message.role == "assistant" and len(text) > 0
-    # A byte-level model takes the messages as a transcript ending in "assistant:".
-    assert text == generate("user: Speak, friend.\nassistant:", 24)
-    streamed = client.chat.completions.create(
-        model="demo", messages=messages, max_tokens=24, temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+def test_chat_completions_equal_the_cli_streamed_or_not(client):
+    openai_checks.check_chat(client, generate)
 
 
 def test_stop_strings_end_the_text_before_them(client):
-    full = generate("ROMEO:", 60)
-    stop = full[10:14]
-    r = client.completions.create(
-        model="demo", prompt="ROMEO:", max_tokens=60, temperature=0, stop=[stop])
-    assert r.choices[0].text == full[: full.index(stop)]
-    assert r.choices[0].finish_reason == "stop"
+    openai_checks.check_stop_strings(client, generate)
 
 
 def test_bad_requests_are_400_with_a_message(client):
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model="demo", prompt="x", max_tokens=-1)
-    with pytest.raises(openai.BadRequestError, match="only n = 1"):
-        client.completions.create(model="demo", prompt="x", max_tokens=2, n=2)
-    with pytest.raises(openai.BadRequestError, match="loops must be in"):
-        client.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"loops": 0})
+    openai_checks.check_bad_requests(client)
 
 
 def test_a_burst_of_concurrent_clients_all_complete(client):
     expected = generate("ROMEO:", 24)
-    results = [None] * 16
-
-    def one(i):
-        if i % 2:
-            chunks = client.completions.create(
-                model="demo", prompt="ROMEO:", max_tokens=24, temperature=0, stream=True)
-            results[i] = "".join(c.choices[0].text for c in chunks)
-        else:
-            results[i] = client.completions.create(
-                model="demo", prompt="ROMEO:", max_tokens=24, temperature=0).choices[0].text
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert results == [expected] * 16
+    jobs = [lambda s=bool(i % 2): openai_checks.request(client, "completion", s, 24,
+                                                        prompt="ROMEO:")
+            for i in range(16)]
+    assert openai_checks.burst(jobs, 300) == [("ok", expected)] * 16
 
 
 def test_health_and_metrics(server, client):
@@ -134,7 +96,7 @@ def test_health_and_metrics(server, client):
 
 def test_sigterm_lets_a_running_stream_finish():
     proc, url = start_server()
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_checks.client_for(url)
     stream = client.completions.create(
         model="demo", prompt="ROMEO:", max_tokens=64, temperature=0, stream=True)
     first = next(iter(stream))
