@@ -301,15 +301,15 @@ step_serve() {
 step_ray() {
     # The package with its `serve` extra, as a user installs it; no precompiled kernels (the
     # tests run on the CPU). The tests run from outside the repository, against the package
-    # in the venv, with a bound on the whole run.
+    # in the venv. Both the install and the tests are bounded in time.
     local venv="$OUTSIDE/ray-venv"
     python3 -m venv "$venv" &&
-        TINYLOOP_SHIP_KERNELS=0 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-            "$ROOT/bindings/python[serve]" openai pytest || return 1
+        TINYLOOP_SHIP_KERNELS=0 timeout 600 "$venv/bin/python" -m pip install -q \
+            --disable-pip-version-check "$ROOT/bindings/python[serve]" openai pytest || return 1
     (
         cd "$OUTSIDE" && unset TINYLOOP_LIB && export PYTHONDONTWRITEBYTECODE=1 \
             TINYLOOP_DEMO_MODEL="$ROOT/models/demo.tinyloop" RAY_USAGE_STATS_ENABLED=0 &&
-            timeout 600 "$venv/bin/python" -m pytest -q -rP -p no:cacheprovider "$ROOT/tests/ray"
+            timeout 480 "$venv/bin/python" -m pytest -q -rP -p no:cacheprovider "$ROOT/tests/ray"
     )
 }
 
