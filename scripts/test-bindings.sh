@@ -22,8 +22,8 @@
 #              (tests/serve, in a fresh venv with openai and pytest)
 #   ray        the Ray Serve deployment (tinyloop_py.serve, docs/DEPLOY.md) on a local Ray
 #              cluster on the CPU: `pip install "bindings/python[serve]"` (the pinned ray[serve])
-#              with openai and pytest into a fresh venv, then tests/ray (2 cores: ~3 min with a
-#              warm pip cache, ~5 min with a cold one)
+#              with openai and pytest into a fresh venv, then tests/ray (2 cores: ~3-4 min, about
+#              2.5 of them the tests; the install is bounded at 10 min, the tests at 8)
 #   go         go vet + go test in bindings/go (through pkg-config and the installed prefix)
 #   cpp        cmake + build + ctest in bindings/cpp (GoogleTest)
 #   consumers  tests/consumers built outside the repository against the installed prefix: C with
