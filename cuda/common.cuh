@@ -102,6 +102,13 @@ DEV void mma16816(float* d, const u32* a, const u32* b) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Four 8x8 f16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
+DEV void ldmatrix_x4(u32* r, u32 row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(row));
+}
+
 // One rotated pair: (a, b) at angle (c, s), each product rounded as the CPU reference does.
 DEV float rotate_a(float a, float b, float c, float s) {
     return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));

@@ -46,13 +46,6 @@ DEV u32 pack_f16x2(float lo, float hi) {
     return r;
 }
 
-// Four 8x8 f16 matrices; lane l gives the shared address of row l % 8 of matrix l / 8.
-DEV void ldmatrix_x4(u32* r, u32 row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(row));
-}
-
 // Two 8x8 f16 matrices; lanes 0-15 give the row addresses (the others' are not read).
 DEV void ldmatrix_x2(u32* r, u32 row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"

@@ -17,9 +17,9 @@
 #define BN 64
 #define BK 32
 #define SROW (BK / 2 + 4) // u32 words per shared row: 16 (32 halves) + 4 padding
-// Both kernels sum K in segments of this many: each segment's products from zero, then the
-// segments' sums in order. The small-M kernel computes the segments in parallel; the order of
-// additions is the same.
+// All three kernels sum K in segments of this many: each segment's products from zero, then the
+// segments' sums in order. The K-group and split kernels compute segments in parallel; the order
+// of additions is the same.
 #define GEMM_SEGMENT 256
 
 // (1024 + c0, 1024 + c1) as f16x2 minus (1024, 1024): the codes as exact f16 values.
@@ -41,7 +41,7 @@ DEV u32 q2_pair(u32 w, int p) {
     return codes_to_f16x2((y & 0x3u) | ((y & 0xCu) << 14));
 }
 
-// A quantized product's step per 32-wide K tile, shared by both GEMM kernels so that a row's
+// A quantized product's step per 32-wide K tile, shared by the GEMM kernels so that a row's
 // result does not depend on which of them computed it: output column n's scale and zero for
 // the tile (zero past N), then acc += s * T + z * S for rows g and g + 8 of an MMA tile (T in
 // tq[e], tq[e + 2] and S in px[0], px[2], as mma16816 leaves them).
@@ -223,18 +223,29 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
 // tile after the other, and for N = 2048 only 32 blocks run. This one splits K among the warps
 // of a block: its SMALL_WARPS warps form `col_groups` groups of 16 weight rows (one per warp)
 // times SMALL_WARPS / col_groups K groups; each K group takes one segment at a time (in waves when
-// K has more), over up to 16 * MT rows of X (MT MMA tiles). A warp loads its fragments straight
-// from global memory one tile ahead of the math (the warps of a K group read the same X, which
-// L1 then serves) and leaves the segment's partial sums in shared memory, where they are added
-// in segment order. More column groups read X less often per weight byte; fewer give more
-// blocks: the host picks per shape.
+// K has more), over up to 16 * MT rows of X (MT MMA tiles). A K group's warps stream their
+// 32-wide K tiles (X, the codes, and the words holding their scales and zeros) through a ring of
+// SMALL_STAGES stages in shared memory with cp.async, SMALL_STAGES - 1 tiles ahead of the math
+// and across segment boundaries, so the K group's warps read X once between them; they leave
+// each segment's partial sums in shared memory, where they are added in segment order. More
+// column groups read X less often per weight byte; fewer give more blocks: the host picks per
+// shape.
 //
 // Every output takes the operations of the 64 x 64 kernel in the same order (per segment, from
 // zero: per 32-wide K tile, two MMAs from zero for T, the same two against ones for S, then
 // add_dequantized; the segments' sums added in order), so a row's result does not depend on which
 // kernel, which MT or which column grouping computed it.
-#define SMALL_WARPS 8 // warps per block
-#define SMALL_OUTS 8  // outputs per thread in the final sums: MT * col_groups <= 8
+#define SMALL_WARPS 8  // warps per block
+#define SMALL_OUTS 8   // outputs per thread in the final sums: MT * col_groups <= 8
+#define SMALL_STAGES 4 // tiles in flight per K group
+#define SMALL_X_ROW 80 // bytes per row of X in a stage: 32 halves + 16 bytes (ldmatrix without bank conflicts)
+
+// Bytes of one stage (src/backend/cuda/kernels.rs `small_gemm_smem` computes the same): X, the
+// codes (f16 rows padded like X), then a scale word and a zero word per weight row.
+DEV int small_w_row(int bits) { return bits == 16 ? SMALL_X_ROW : bits * 4; }
+DEV int small_stage_bytes(int bits, int MT, int cols) {
+    return 16 * MT * SMALL_X_ROW + cols * small_w_row(bits) + (bits == 16 ? 0 : cols * 8);
+}
 
 // One warp's fragments of a 32-wide K tile: weights of its 2 column tiles (as f16x2 codes, or
 // f16 values), their scales and zeros, and X of its MT row tiles.
@@ -244,60 +255,123 @@ template <int MT> struct SmallFrags {
     u32 a[MT][2][4]; // [row tile][16-wide half][fragment word]
 };
 
+// The f16 at `p` from the aligned word holding it (the word a stage copied).
+DEV float f16_of_word(u32 word, const f16_t* p) {
+    return f16_to_f32((f16_t)((((size_t)p >> 1) & 1) ? word >> 16 : word & 0xffffu));
+}
+
+// A warp's X and weight fragments of one 32-wide K tile held in shared memory: X's rows through
+// ldmatrix from `x` (row 0 of the tile; rows `x_row` bytes apart), its 16 weight rows from row
+// `cr` of `w` (rows `w_row` bytes apart).
 template <int BITS, int MT>
-DEV void small_load_weights(SmallFrags<MT>& f, const u8* __restrict__ W,
-                            const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
-                            int G, int group, size_t row_bytes, int n0, int k0, u64 policy) {
+DEV void read_frags(SmallFrags<MT>& f, u32 x, int x_row, const u8* w, int w_row, int cr) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            ldmatrix_x4(f.a[mt][h], x + (mt * 16 + (lane & 15)) * x_row + h * 32 + (lane >> 4) * 16);
+#pragma unroll
     for (int nt = 0; nt < 2; nt++) {
-        const int n = n0 + nt * 8 + g;
-        const u8* row = W + (size_t)min(n, N - 1) * row_bytes;
+        const u8* row = w + (cr + nt * 8 + g) * w_row;
         if (BITS == 4) {
-            const uint4 w = ld_w16(row + k0 / 2, policy);
-            f.b[nt][0][0] = q4_pair(w.x, t);
-            f.b[nt][0][1] = q4_pair(w.y, t);
-            f.b[nt][1][0] = q4_pair(w.z, t);
-            f.b[nt][1][1] = q4_pair(w.w, t);
+            const uint4 v = *(const uint4*)row;
+            f.b[nt][0][0] = q4_pair(v.x, t);
+            f.b[nt][0][1] = q4_pair(v.y, t);
+            f.b[nt][1][0] = q4_pair(v.z, t);
+            f.b[nt][1][1] = q4_pair(v.w, t);
         } else if (BITS == 2) {
-            const uint2 w = ld_w8(row + k0 / 4, policy);
-            f.b[nt][0][0] = q2_pair(w.x, t);
-            f.b[nt][0][1] = q2_pair(w.x, t + 4);
-            f.b[nt][1][0] = q2_pair(w.y, t);
-            f.b[nt][1][1] = q2_pair(w.y, t + 4);
+            const uint2 v = *(const uint2*)row;
+            f.b[nt][0][0] = q2_pair(v.x, t);
+            f.b[nt][0][1] = q2_pair(v.x, t + 4);
+            f.b[nt][1][0] = q2_pair(v.y, t);
+            f.b[nt][1][1] = q2_pair(v.y, t + 4);
         } else {
-            const u8* p = row + (size_t)k0 * 2 + t * 4;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                f.b[nt][h][0] = ld_w4(p + h * 32, policy);
-                f.b[nt][h][1] = ld_w4(p + h * 32 + 16, policy);
+                f.b[nt][h][0] = *(const u32*)(row + t * 4 + h * 32);
+                f.b[nt][h][1] = *(const u32*)(row + t * 4 + h * 32 + 16);
             }
-        }
-        // Rows past N are computed from row N - 1 and never stored.
-        if (BITS != 16) {
-#pragma unroll
-            for (int e = 0; e < 2; e++)
-                f.sz[nt][e] = scale_zero(sz, zeros, n0 + nt * 8 + t * 2 + e, N, G, k0 / group);
         }
     }
 }
 
+// The scales and zeros of a warp's weight rows cr .. cr + 15 from the aligned words holding
+// element (nb + row) * G + gi of `sz` and `zeros` (`words`: a word per row, the zeros
+// `zero_at` words after the scales).
 template <int MT>
-DEV void small_load_x(SmallFrags<MT>& f, const f16_t* __restrict__ X, int M, int K, int m0,
-                      int k0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+DEV void words_scales(SmallFrags<MT>& f, const u32* words, int zero_at, int cr, int nb,
+                      const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int G,
+                      int gi) {
+    const int t = threadIdx.x & 3;
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        const int r0 = m0 + mt * 16 + g, r1 = r0 + 8;
-        const u32* x0 = (const u32*)(X + (size_t)r0 * K + k0) + t;
-        const u32* x1 = (const u32*)(X + (size_t)r1 * K + k0) + t;
+    for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            f.a[mt][h][0] = r0 < M ? x0[h * 8] : 0u;
-            f.a[mt][h][1] = r1 < M ? x1[h * 8] : 0u;
-            f.a[mt][h][2] = r0 < M ? x0[h * 8 + 4] : 0u;
-            f.a[mt][h][3] = r1 < M ? x1[h * 8 + 4] : 0u;
+        for (int e = 0; e < 2; e++) {
+            const int c = cr + nt * 8 + t * 2 + e;
+            const size_t at = (size_t)(nb + c) * G + gi;
+            f.sz[nt][e] = make_float2(f16_of_word(words[c], sz + at),
+                                      f16_of_word(words[zero_at + c], zeros + at));
         }
+}
+
+// The same from a table of (scale, zero) pairs, one per weight row.
+template <int MT> DEV void table_scales(SmallFrags<MT>& f, const float2* table, int cr) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+        const float4 v = *(const float4*)(table + cr + nt * 8 + t * 2);
+        f.sz[nt][0] = make_float2(v.x, v.y);
+        f.sz[nt][1] = make_float2(v.z, v.w);
+    }
+}
+
+// Copy the aligned word holding `*p` to shared `dst` (4 bytes; zeros when `!valid`).
+DEV void cp_async_word(u32 dst, const f16_t* p, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst),
+                 "l"((size_t)p & ~(size_t)3), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+// Request tile `k0` of a K group's weight rows nb .. nb + cols into a stage: `gt` is the thread's
+// place among the group's `gthreads`. Rows past N land as zeros and are never stored.
+template <int BITS>
+DEV void small_copy_weights(u32 stage, const u8* __restrict__ W, const f16_t* __restrict__ sz,
+                            const f16_t* __restrict__ zeros, int N, int G, int group,
+                            size_t row_bytes, int nb, int cols, int MT, int k0, int gt,
+                            int gthreads, u64 policy) {
+    const u32 ws = stage + 16 * MT * SMALL_X_ROW;
+    if (BITS == 16) {
+        for (int c = gt; c < cols * 4; c += gthreads) {
+            const int r = c >> 2, part = c & 3, n = nb + r;
+            const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k0 * 2 + part * 16;
+            cp_async16_w(ws + r * SMALL_X_ROW + part * 16, src, n < N ? 16 : 0, policy);
+        }
+        return;
+    }
+    if (gt < cols) {
+        const int n = nb + gt;
+        const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k0 * BITS / 8;
+        if (BITS == 4)
+            cp_async16_w(ws + gt * 16, src, n < N ? 16 : 0, policy);
+        else
+            cp_async8_w(ws + gt * 8, src, n < N ? 8 : 0, policy);
+    }
+    // One word per thread: the scales of the group's rows, then their zeros.
+    if (gt < 2 * cols) {
+        const int r = gt % cols, n = nb + r;
+        const f16_t* p = (gt < cols ? sz : zeros) + (size_t)min(n, N - 1) * G + k0 / group;
+        cp_async_word(ws + cols * small_w_row(BITS) + gt * 4, p, n < N);
+    }
+}
+
+// Request tile `k0` of X's rows m0 .. m0 + 16 MT into a stage; rows past M land as zeros.
+DEV void small_copy_x(u32 stage, const f16_t* __restrict__ X, int M, int K, int m0, int MT,
+                      int k0, int gt, int gthreads) {
+    for (int c = gt; c < 64 * MT; c += gthreads) {
+        const int r = c >> 2, part = c & 3, m = m0 + r;
+        const f16_t* src = X + (size_t)min(m, M - 1) * K + k0 + part * 8;
+        cp_async16(stage + r * SMALL_X_ROW + part * 16, src, m < M ? 16 : 0);
     }
 }
 
@@ -333,46 +407,86 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                     const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
                     int group, int stream_hint, float* __restrict__ out, int accumulate,
                     int col_groups) {
-    // Partial sums of one wave: [K group][row][column] over the block's 16 MT x 16 col_groups.
-    __shared__ float partial[SMALL_WARPS * 16 * MT * 16];
+    // The K groups' rings of stages, then the partial sums of one wave:
+    // [K group][row][column] over the block's 16 MT x 16 col_groups outputs.
+    extern __shared__ __align__(16) u8 smem[];
     const u64 policy = l2_policy(stream_hint != 0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int cols = 16 * col_groups, k_groups = SMALL_WARPS / col_groups;
     const int cg = warp % col_groups, kg = warp / col_groups;
-    const int m0 = blockIdx.y * 16 * MT, nb = blockIdx.x * cols, n0 = nb + cg * 16;
+    const int gt = cg * 32 + lane, gthreads = 32 * col_groups;
+    const int m0 = blockIdx.y * 16 * MT, nb = blockIdx.x * cols;
     const int outs = 16 * MT * cols;
     const size_t row_bytes = (size_t)K * BITS / 8;
     const int G = BITS != 16 ? K / group : 1;
     const int segments = (K + GEMM_SEGMENT - 1) / GEMM_SEGMENT;
+    const int waves = (segments + k_groups - 1) / k_groups;
+    const int tiles = waves * (GEMM_SEGMENT / 32); // of this K group, some past K
+    const int stage_bytes = small_stage_bytes(BITS, MT, cols);
+    u8* ring = smem + kg * SMALL_STAGES * stage_bytes;
+    const u32 ring_addr = smem_addr(ring);
+    float* partial = (float*)(smem + k_groups * SMALL_STAGES * stage_bytes);
 
-    // The first tile's weights are requested before the predecessor has finished (they are
-    // immutable).
-    SmallFrags<MT> next;
-    if (kg < segments)
-        small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
-                                     kg * GEMM_SEGMENT, policy);
+    // Tile j of this K group: its K offset, or -1 past K.
+    auto tile_k = [&](int j) {
+        const int seg = (j / (GEMM_SEGMENT / 32)) * k_groups + kg;
+        const int k0 = seg * GEMM_SEGMENT + (j % (GEMM_SEGMENT / 32)) * 32;
+        return seg < segments && k0 < K ? k0 : -1;
+    };
+    auto copy_weights = [&](int j) {
+        const int k0 = tile_k(j);
+        if (k0 >= 0)
+            small_copy_weights<BITS>(ring_addr + (j % SMALL_STAGES) * stage_bytes, W, sz, zeros,
+                                     N, G, group, row_bytes, nb, cols, MT, k0, gt, gthreads,
+                                     policy);
+    };
+    auto copy_x = [&](int j) {
+        const int k0 = tile_k(j);
+        if (k0 >= 0)
+            small_copy_x(ring_addr + (j % SMALL_STAGES) * stage_bytes, X, M, K, m0, MT, k0, gt,
+                         gthreads);
+    };
+
+    // The first tiles' weights are requested before the predecessor has finished (they are
+    // immutable); each prologue group then adds its tile of X.
+#pragma unroll
+    for (int j = 0; j < SMALL_STAGES - 1; j++) copy_weights(j);
     kernel_start();
+#pragma unroll
+    for (int j = 0; j < SMALL_STAGES - 1; j++) {
+        copy_x(j);
+        cp_async_commit();
+    }
 
     float total[SMALL_OUTS] = {}; // outputs tid + 256 i of the block, in (row, column) order
-    for (int first = 0; first < segments; first += k_groups) {
-        const int seg = first + kg;
-        if (seg < segments) {
-            const int k_begin = seg * GEMM_SEGMENT, k_end = min(K, k_begin + GEMM_SEGMENT);
-            if (first > 0)
-                small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
-                                             k_begin, policy);
-            small_load_x<MT>(next, X, M, K, m0, k_begin);
-            float acc[MT][2][4] = {};
-            for (int k0 = k_begin; k0 < k_end; k0 += 32) {
-                const SmallFrags<MT> cur = next;
-                if (k0 + 32 < k_end) {
-                    small_load_weights<BITS, MT>(next, W, sz, zeros, N, G, group, row_bytes, n0,
-                                                 k0 + 32, policy);
-                    small_load_x<MT>(next, X, M, K, m0, k0 + 32);
-                }
-                small_tile<BITS, MT>(acc, cur);
+    for (int wave = 0; wave < waves; wave++) {
+        float acc[MT][2][4] = {};
+        for (int i = 0; i < GEMM_SEGMENT / 32; i++) {
+            const int j = wave * (GEMM_SEGMENT / 32) + i;
+            cp_async_wait<SMALL_STAGES - 2>();
+            __syncthreads(); // tile j has landed for every thread; tile j - 1's stage is free
+            if (j + SMALL_STAGES - 1 < tiles) {
+                copy_weights(j + SMALL_STAGES - 1);
+                copy_x(j + SMALL_STAGES - 1);
             }
+            cp_async_commit();
+            const int k0 = tile_k(j);
+            if (k0 >= 0) {
+                const int s = j % SMALL_STAGES;
+                const u8* stage = ring + s * stage_bytes;
+                const u8* w = stage + 16 * MT * SMALL_X_ROW;
+                SmallFrags<MT> f;
+                read_frags<BITS, MT>(f, ring_addr + s * stage_bytes, SMALL_X_ROW, w,
+                                     small_w_row(BITS), cg * 16);
+                if (BITS != 16)
+                    words_scales<MT>(f, (const u32*)(w + cols * small_w_row(BITS)), cols,
+                                     cg * 16, nb, sz, zeros, G, k0 / group);
+                small_tile<BITS, MT>(acc, f);
+            }
+        }
+        const int seg = wave * k_groups + kg;
+        if (seg < segments) {
             float* mine = partial + kg * outs + cg * 16;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -385,7 +499,7 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                     }
         }
         __syncthreads();
-        const int here = min(k_groups, segments - first);
+        const int here = min(k_groups, segments - wave * k_groups);
 #pragma unroll
         for (int i = 0; i < SMALL_OUTS; i++) {
             const int o = tid + 256 * i;
@@ -393,7 +507,6 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                 for (int w = 0; w < here; w++)
                     total[i] = __fadd_rn(total[i], partial[w * outs + o]);
         }
-        __syncthreads();
     }
 
 #pragma unroll
@@ -405,6 +518,141 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
             out[at] = accumulate ? __fadd_rn(out[at], total[i]) : total[i];
         }
     }
+}
+
+// Products of few rows split by segment across blocks (the shapes an engine's decode steps
+// take). Block (column block, segment, row block) multiplies its 16 MT rows of X by its
+// 16 * warps weight rows over one segment of K, with everything it reads copied to shared memory
+// at once (cp.async; the weights before the predecessor has finished), then each warp sums its
+// 16 weight rows' 32-wide K tiles straight from there, and writes the segment's sums to
+// `parts[segment][row][column]`. gemm_segments_sum then adds the segments in order. No barrier
+// but the one after the copies, and a block per (columns, segment, rows): the grid fills the GPU
+// where the K-group kernel above gives a block per column group only.
+//
+// Each output takes the same operations in the same order as in the other two kernels (the
+// segment's products from zero, per 32-wide K tile as they do; the segments' sums added in order
+// from zero), so a row's result does not depend on which kernel computed it.
+#define SPLIT_X_ROW (2 * GEMM_SEGMENT + 16) // bytes per row of X: a segment + 16 (ldmatrix)
+
+// Bytes of a block's shared memory (src/backend/cuda/kernels.rs `split_gemm_smem` computes the
+// same): X's rows, the weight rows' codes over the segment (rows padded by 16 bytes, 8 for INT2,
+// so that the eight rows a fragment load reads fall in distinct banks), then per quantization
+// group the segment meets a scale word and a zero word per weight row.
+DEV int split_w_row(int bits) {
+    return bits == 16 ? SPLIT_X_ROW : GEMM_SEGMENT * bits / 8 + (bits == 2 ? 8 : 16);
+}
+
+template <int BITS, int MT>
+DEV void gemm_split(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
+                    const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
+                    int group, int stream_hint, float* __restrict__ parts) {
+    extern __shared__ __align__(16) u8 smem[];
+    const u64 policy = l2_policy(stream_hint != 0);
+    const int tid = threadIdx.x, threads = blockDim.x, warp = tid >> 5;
+    const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int cols = 16 * (threads / 32); // 16 weight rows per warp
+    const int nb = blockIdx.x * cols, seg = blockIdx.y, m0 = blockIdx.z * 16 * MT;
+    const int k_begin = seg * GEMM_SEGMENT, k_len = min(GEMM_SEGMENT, K - k_begin);
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    const int G = BITS != 16 ? K / group : 1;
+    const int w_row = split_w_row(BITS);
+    const u32 xs = smem_addr(smem);
+    const u32 ws = xs + 16 * MT * SPLIT_X_ROW;
+    const u32 ps = ws + cols * w_row;
+    // The quantization groups this segment meets: g0 .. g0 + ng - 1 (f16 weights: none read).
+    const int g0 = BITS != 16 ? k_begin / group : 0;
+    const int ng = BITS != 16 ? (k_begin + k_len - 1) / group - g0 + 1 : 1;
+
+    // Weights, scales and zeros (immutable) before the predecessor has finished: 16-byte
+    // pieces, 8-byte ones for INT2 (whose rows are only 8-byte aligned).
+    const int piece = BITS == 2 ? 8 : 16;
+    const int pieces = k_len * BITS / 8 / piece; // of a weight row in the segment
+    for (int c = tid; c < cols * pieces; c += threads) {
+        const int r = c / pieces, part = c % pieces, n = nb + r;
+        const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k_begin * BITS / 8;
+        const u32 dst = ws + r * w_row + part * piece;
+        if (BITS == 2)
+            cp_async8_w(dst, src + part * piece, n < N ? 8 : 0, policy);
+        else
+            cp_async16_w(dst, src + part * piece, n < N ? 16 : 0, policy);
+    }
+    for (int c = tid; BITS != 16 && c < 2 * ng * cols; c += threads) {
+        const int r = c % cols, gl = (c / cols) % ng, zero = c / (cols * ng), n = nb + r;
+        const f16_t* p = (zero ? zeros : sz) + (size_t)min(n, N - 1) * G + g0 + gl;
+        cp_async_word(ps + c * 4, p, n < N);
+    }
+    kernel_start();
+    const int x_chunks = k_len / 8;
+    for (int c = tid; c < 16 * MT * x_chunks; c += threads) {
+        const int r = c / x_chunks, part = c % x_chunks, m = m0 + r;
+        const f16_t* src = X + (size_t)min(m, M - 1) * K + k_begin + part * 8;
+        cp_async16(xs + r * SPLIT_X_ROW + part * 16, src, m < M ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // The words become a table of (scale, zero) pairs [group][row], in place: every thread
+    // reads its (at most 4: ng <= 8 groups, 2 rows per thread) before any is written.
+    float2* table = (float2*)(smem + 16 * MT * SPLIT_X_ROW + cols * w_row);
+    if (BITS != 16) {
+        const u32* words = (const u32*)table;
+        float2 mine[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = tid + i * threads, r = c % cols, gl = c / cols;
+            if (c < ng * cols) {
+                const size_t at = (size_t)(nb + r) * G + g0 + gl;
+                mine[i] = make_float2(f16_of_word(words[c], sz + at),
+                                      f16_of_word(words[ng * cols + c], zeros + at));
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (tid + i * threads < ng * cols) table[tid + i * threads] = mine[i];
+        __syncthreads();
+    }
+
+    float acc[MT][2][4] = {};
+    int gl = 0, next_group = (g0 + 1) * group; // the tile's group, and where the next begins
+    for (int k = 0; k < k_len; k += 32) {
+        SmallFrags<MT> f;
+        read_frags<BITS, MT>(f, xs + k * 2, SPLIT_X_ROW,
+                             smem + 16 * MT * SPLIT_X_ROW + k * BITS / 8, w_row, warp * 16);
+        if (BITS != 16) {
+            if (k_begin + k >= next_group) {
+                gl++;
+                next_group += group;
+            }
+            table_scales<MT>(f, table + gl * cols, warp * 16);
+        }
+        small_tile<BITS, MT>(acc, f);
+    }
+
+    float* mine = parts + (size_t)seg * M * N;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = m0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+                const int n = nb + warp * 16 + nt * 8 + t * 2 + (e & 1);
+                if (m < M && n < N) mine[(size_t)m * N + n] = acc[mt][nt][e];
+            }
+}
+
+// out[i] (+)= the segments' sums of element i of parts[segment][M * N], added in order from zero.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_segments_sum(const float* __restrict__ parts, int segments, int MN,
+                      float* __restrict__ out, int accumulate) {
+    kernel_start();
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= MN) return;
+    float total = 0.0f;
+    for (int s = 0; s < segments; s++) total = __fadd_rn(total, parts[(size_t)s * MN + i]);
+    out[i] = accumulate ? __fadd_rn(out[i], total) : total;
 }
 
 // grid (ceil(N / 64), ceil(M / 64)), 128 threads. `sz` holds the scales [N][K / group] and
@@ -427,6 +675,15 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         gemm_small<B, MT>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate, col_groups);   \
     }
 
+// grid (ceil(N / (16 warps)), segments, ceil(M / (16 MT))), 32 warps threads (warps 4 or 8);
+// the arguments of gemm_b* up to `stream`, then the segments' partial sums.
+#define GEMM_SPLIT_KERNEL(B, MT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        gemm_split_b##B##_m##MT(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
+                                const f16_t* zeros, int N, int group, int stream, float* parts) {  \
+        gemm_split<B, MT>(X, M, K, W, sz, zeros, N, group, stream, parts);                         \
+    }
+
 GEMM_KERNEL(16)
 GEMM_KERNEL(4)
 GEMM_KERNEL(2)
@@ -439,3 +696,12 @@ GEMM_SMALL_KERNEL(4, 4, 1)
 GEMM_SMALL_KERNEL(2, 1, 2)
 GEMM_SMALL_KERNEL(2, 2, 2)
 GEMM_SMALL_KERNEL(2, 4, 1)
+GEMM_SPLIT_KERNEL(16, 1)
+GEMM_SPLIT_KERNEL(16, 2)
+GEMM_SPLIT_KERNEL(16, 4)
+GEMM_SPLIT_KERNEL(4, 1)
+GEMM_SPLIT_KERNEL(4, 2)
+GEMM_SPLIT_KERNEL(4, 4)
+GEMM_SPLIT_KERNEL(2, 1)
+GEMM_SPLIT_KERNEL(2, 2)
+GEMM_SPLIT_KERNEL(2, 4)

@@ -328,10 +328,12 @@ fn cuda_linear_matches_cpu() {
     ));
 }
 
-/// A row's product is the same bits whatever rows are computed with it, across both GEMM
-/// kernels (64 x 64 tiles where they fill the GPU: the 300-row products here; blocks of 16 weight
-/// rows otherwise) and every row-tile count of the small one (1, 2 and 4 MMA tiles per block),
-/// for K of one segment, several, and more segments than one block's warps take in a wave.
+/// A row's product is the same bits whatever rows are computed with it, across the three GEMM
+/// kernels (64 x 64 tiles where they fill the GPU: the 300-row products here; blocks per
+/// segment where their partial sums fit in the backend's scratch: the fewer rows of the wide
+/// products and every run of the narrow ones; blocks of 16 weight rows otherwise) and every
+/// row-tile count of the small ones (1, 2 and 4 MMA tiles per block), for K of one segment,
+/// several, and more segments than one block's warps take in a wave.
 #[test]
 fn cuda_product_rows_do_not_depend_on_the_rows_with_them() {
     if !cuda_or_skip("cuda_product_rows_do_not_depend_on_the_rows_with_them") {

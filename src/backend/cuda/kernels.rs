@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use super::driver::device_error;
 use crate::env::{rejected, Vars};
 use crate::error::{Error, Result};
+use crate::model::config::ModelConfig;
 
 mod shipped;
 pub use shipped::ship;
@@ -92,8 +93,190 @@ pub(crate) const SMALL_GEMM_TILES: [usize; 3] = [1, 2, 4];
 /// `gemm_small`'s threads per block, its groups of 16 weight rows per block (the most first), and
 /// its outputs per thread (row tiles times column groups).
 pub(crate) const SMALL_GEMM_THREADS: u32 = 256;
-pub(crate) const SMALL_GEMM_COL_GROUPS: [usize; 3] = [4, 2, 1];
+pub(crate) const SMALL_GEMM_COL_GROUPS: [usize; 4] = [8, 4, 2, 1];
 pub(crate) const SMALL_GEMM_OUTS: usize = 8;
+
+/// Dynamic shared memory of `gemm_small` (cuda/gemm.cu `small_stage_bytes`): each K group's
+/// ring of 4 stages (X rows of 80 bytes, the codes of the block's weight rows, a scale word
+/// and a zero word per row), then one wave's partial sums.
+pub(crate) fn small_gemm_smem(bits: u32, tiles: usize, col_groups: usize) -> usize {
+    const STAGES: usize = 4;
+    const X_ROW: usize = 80;
+    let (rows, cols) = (MMA_ROWS * tiles, 16 * col_groups);
+    let k_groups = 8 / col_groups;
+    let w_row = if bits == 16 { X_ROW } else { bits as usize * 4 };
+    let params = if bits == 16 { 0 } else { cols * 8 };
+    let stage = rows * X_ROW + cols * w_row + params;
+    k_groups * STAGES * stage + k_groups * rows * cols * 4
+}
+
+/// How `gemm_small` covers a product of `rows` rows and `n` outputs per row: its row tiles per
+/// block, and its groups of 16 weight rows per block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SmallGemmPlan {
+    /// Index into [`SMALL_GEMM_TILES`].
+    pub tiles_index: usize,
+    pub col_groups: usize,
+    pub smem: usize,
+    grid: (u32, u32, u32),
+}
+
+impl SmallGemmPlan {
+    /// The fewest row tiles per block that cover `rows` (at most 4), then the widest column
+    /// grouping that still gives every one of `sms` SMs a block (X is read once per K group and
+    /// block), or the narrowest whose stages fit in `smem_limit`; fewer row tiles where none of
+    /// them fits.
+    pub fn new(bits: u32, rows: usize, n: usize, sms: usize, smem_limit: usize) -> Self {
+        let wanted = rows.div_ceil(MMA_ROWS);
+        let first = SMALL_GEMM_TILES
+            .iter()
+            .position(|&t| t >= wanted)
+            .unwrap_or(SMALL_GEMM_TILES.len() - 1);
+        (0..=first)
+            .rev()
+            .find_map(|ti| Self::with_tiles(bits, ti, rows, n, sms, smem_limit))
+            .unwrap_or_else(|| Self::build(bits, 0, 1, rows, n))
+    }
+
+    fn with_tiles(
+        bits: u32,
+        ti: usize,
+        rows: usize,
+        n: usize,
+        sms: usize,
+        smem_limit: usize,
+    ) -> Option<Self> {
+        let tiles = SMALL_GEMM_TILES[ti];
+        let row_blocks = rows.div_ceil(tiles * MMA_ROWS);
+        let mut fitting = SMALL_GEMM_COL_GROUPS.into_iter().filter(|&c| {
+            c * tiles <= SMALL_GEMM_OUTS && small_gemm_smem(bits, tiles, c) <= smem_limit
+        });
+        let col_groups = fitting
+            .clone()
+            .find(|&c| n.div_ceil(16 * c) * row_blocks >= sms)
+            .or_else(|| fitting.next_back())?;
+        Some(Self::build(bits, ti, col_groups, rows, n))
+    }
+
+    fn build(bits: u32, ti: usize, col_groups: usize, rows: usize, n: usize) -> Self {
+        let tiles = SMALL_GEMM_TILES[ti];
+        SmallGemmPlan {
+            tiles_index: ti,
+            col_groups,
+            smem: small_gemm_smem(bits, tiles, col_groups),
+            grid: (
+                n.div_ceil(16 * col_groups) as u32,
+                rows.div_ceil(tiles * MMA_ROWS) as u32,
+                1,
+            ),
+        }
+    }
+
+    pub fn grid(&self) -> (u32, u32, u32) {
+        self.grid
+    }
+}
+
+/// The K of one segment of the GEMM kernels (cuda/gemm.cu `GEMM_SEGMENT`).
+pub(crate) const GEMM_SEGMENT: usize = 256;
+
+/// Dynamic shared memory of `gemm_split` (cuda/gemm.cu `split_w_row`): X's rows over a segment
+/// (plus 16 bytes), the weight rows' codes (padded), and a scale word and a zero word per weight
+/// row for each quantization group a segment can meet.
+pub(crate) fn split_gemm_smem(bits: u32, tiles: usize, warps: usize, group: usize) -> usize {
+    let x_row = 2 * GEMM_SEGMENT + 16;
+    let w_row = match bits {
+        16 => x_row,
+        2 => GEMM_SEGMENT * 2 / 8 + 8,
+        b => GEMM_SEGMENT * b as usize / 8 + 16,
+    };
+    let cols = 16 * warps;
+    // A segment of 256 starting at a multiple of 32 meets at most this many groups.
+    let groups = if bits == 16 {
+        0
+    } else {
+        (GEMM_SEGMENT / 32).min((GEMM_SEGMENT - 1).div_ceil(group) + 1)
+    };
+    MMA_ROWS * tiles * x_row + cols * w_row + 2 * groups * cols * 4
+}
+
+/// The per-segment sums one row of the block products of a model with `config` needs at most
+/// (N times the segments of K, over QKV, the output, gate and up, down and the loop adapter; the
+/// head is left to the unsplit kernels).
+pub(crate) fn split_parts_per_row(config: &ModelConfig) -> usize {
+    let (d, f) = (config.dim, config.ffn_dim);
+    let qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim();
+    let segments = |k: usize| k.div_ceil(GEMM_SEGMENT);
+    [
+        qkv * segments(d),
+        d * segments(d),
+        f * segments(d),
+        d * segments(f),
+        d * segments(2 * d),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+}
+
+/// How `gemm_split` covers a product of `rows` rows by `n` weight rows over K = `k`: row tiles
+/// and warps per block (16 weight rows each), one block per (column block, segment, row block);
+/// `gemm_segments_sum` then adds `segments` partial sums of `rows * n` floats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SplitGemmPlan {
+    /// Index into [`SMALL_GEMM_TILES`].
+    pub tiles_index: usize,
+    pub warps: usize,
+    pub segments: usize,
+    pub smem: usize,
+    grid: (u32, u32, u32),
+}
+
+impl SplitGemmPlan {
+    /// The plan for these shapes, or `None` when the partial sums need more than `parts_floats`
+    /// floats (or no block fits in `smem_limit`). Blocks of 8 warps where that still gives every
+    /// SM two blocks, else of 4.
+    pub fn new(
+        shape: (u32, usize, usize, usize, usize),
+        sms: usize,
+        smem_limit: usize,
+        parts_floats: usize,
+    ) -> Option<Self> {
+        let (bits, rows, n, k, group) = shape;
+        let segments = k.div_ceil(GEMM_SEGMENT);
+        if rows == 0 || n == 0 || segments * rows * n > parts_floats {
+            return None;
+        }
+        let wanted = rows.div_ceil(MMA_ROWS);
+        let ti = SMALL_GEMM_TILES
+            .iter()
+            .position(|&t| t >= wanted)
+            .unwrap_or(SMALL_GEMM_TILES.len() - 1);
+        let tiles = SMALL_GEMM_TILES[ti];
+        let row_blocks = rows.div_ceil(tiles * MMA_ROWS);
+        let blocks = |warps: usize| n.div_ceil(16 * warps) * segments * row_blocks;
+        let warps = [8, 4]
+            .into_iter()
+            .filter(|&w| split_gemm_smem(bits, tiles, w, group) <= smem_limit)
+            .find(|&w| w == 4 || blocks(w) >= 2 * sms)?;
+        Some(SplitGemmPlan {
+            tiles_index: ti,
+            warps,
+            segments,
+            smem: split_gemm_smem(bits, tiles, warps, group),
+            grid: (
+                n.div_ceil(16 * warps) as u32,
+                segments as u32,
+                row_blocks as u32,
+            ),
+        })
+    }
+
+    pub fn grid(&self) -> (u32, u32, u32) {
+        self.grid
+    }
+}
+
 /// Head-dimension-per-lane variants of the attention kernel (hd <= 32 * DJ).
 pub(crate) const ATT_DJ: [usize; 4] = [1, 2, 4, 8];
 /// Head dimensions the tensor-core prefill attention is instantiated for, in index order.
@@ -127,6 +310,10 @@ pub(crate) struct Kernels {
     /// `[bits index][tiles index]`: products of few rows, [`SMALL_GEMM_TILES`] MMA tiles of
     /// rows per block.
     pub gemm_small: [[sys::CUfunction; 3]; 3],
+    /// `[bits index][tiles index]`: products of few rows split by segment across blocks, and
+    /// the kernel that adds their segments.
+    pub gemm_split: [[sys::CUfunction; 3]; 3],
+    pub gemm_segments_sum: sys::CUfunction,
     pub linear_generic: sys::CUfunction,
     /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
@@ -147,8 +334,8 @@ unsafe impl Send for Kernels {}
 unsafe impl Sync for Kernels {}
 
 impl Kernels {
-    /// Let the GEMV, norm and flash attention kernels use up to the device's opt-in shared
-    /// memory per block.
+    /// Let the GEMV, norm, small-M GEMM and flash attention kernels use up to the device's
+    /// opt-in shared memory per block.
     pub fn allow_dynamic_smem(&self, optin: usize) -> Result<()> {
         let limit = optin.saturating_sub(2048) as i32;
         let all = self.gemv.iter().chain(&self.gemv_gateup).flatten();
@@ -158,7 +345,9 @@ impl Kernels {
             .chain(&self.gemv_gateup_norm)
             .flatten();
         let norms = [&self.norm_rows, &self.norm_state_rows];
-        let others = norms.into_iter().chain(&self.flash_attention);
+        let products = self.gemm_small.iter().chain(&self.gemm_split).flatten();
+        let staged = self.flash_attention.iter().chain(products);
+        let others = norms.into_iter().chain(staged.clone());
         for f in all.chain(norm).chain(others) {
             set_attribute(
                 *f,
@@ -166,9 +355,9 @@ impl Kernels {
                 limit,
             )?;
         }
-        // Flash attention runs several blocks of two-stage tiles per SM: all of the unified
-        // L1 / shared memory as shared memory (a preference, in percent).
-        for f in &self.flash_attention {
+        // Flash attention and the small-M GEMM run several blocks of staged tiles per SM: all
+        // of the unified L1 / shared memory as shared memory (a preference, in percent).
+        for f in staged {
             set_attribute(
                 *f,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -709,6 +898,8 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemv_gateup_norm: by_chunks("gemv_gateup_norm")?,
             gemm: by_bits_one(&|_| GEMM, "gemm")?,
             gemm_small: by_tiles("gemm_small")?,
+            gemm_split: by_tiles("gemm_split")?,
+            gemm_segments_sum: get(GEMM, "gemm_segments_sum")?,
             linear_generic: get(GEMV, "linear_generic")?,
             attention: [
                 get(ATTENTION, "attention_dj1")?,
@@ -754,6 +945,101 @@ impl Drop for Kernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// H200: 132 SMs, 227 KiB of opt-in shared memory per block.
+    const SMS: usize = 132;
+    const SMEM: usize = 232_448 - 2048;
+
+    #[test]
+    fn small_gemm_plan_fills_the_sms_with_the_widest_blocks_that_fit() {
+        // 32 decode rows, N 8192: two row tiles, 32-column blocks (64-column blocks would be
+        // 128, fewer than the SMs).
+        let p = SmallGemmPlan::new(4, 32, 8192, SMS, SMEM);
+        assert_eq!((SMALL_GEMM_TILES[p.tiles_index], p.col_groups), (2, 2));
+        assert_eq!(p.grid(), (256, 1, 1));
+        // N 2048: no grouping gives every SM a block; the narrowest.
+        let p = SmallGemmPlan::new(4, 32, 2048, SMS, SMEM);
+        assert_eq!((p.col_groups, p.grid()), (1, (128, 1, 1)));
+        // 5 rows: one row tile; 200 rows: four, in 4 row blocks.
+        assert_eq!(SmallGemmPlan::new(2, 5, 4096, SMS, SMEM).tiles_index, 0);
+        let p = SmallGemmPlan::new(4, 200, 4096, SMS, SMEM);
+        assert_eq!((SMALL_GEMM_TILES[p.tiles_index], p.grid().1), (4, 4));
+    }
+
+    #[test]
+    fn split_gemm_plan_gives_a_block_per_columns_segment_and_rows() {
+        const PARTS: usize = 1 << 22;
+        // 32 decode rows, N 6144, K 2048: 8 segments, 48 blocks of 128 columns each.
+        let p = SplitGemmPlan::new((4, 32, 6144, 2048, 128), SMS, SMEM, PARTS).unwrap();
+        assert_eq!(
+            (SMALL_GEMM_TILES[p.tiles_index], p.warps, p.segments),
+            (2, 8, 8)
+        );
+        assert_eq!(p.grid(), (48, 8, 1));
+        // N 2048: 128 blocks of 8 warps would leave SMs with one; blocks of 4.
+        let p = SplitGemmPlan::new((4, 32, 2048, 2048, 128), SMS, SMEM, PARTS).unwrap();
+        assert_eq!((p.warps, p.grid()), (4, (32, 8, 1)));
+        // A partial last segment, 100 rows in two row blocks of 64.
+        let p = SplitGemmPlan::new((2, 100, 4096, 2080, 32), SMS, SMEM, PARTS).unwrap();
+        assert_eq!((p.segments, p.grid().2), (9, 2));
+        // Too many partial sums for the scratch: no split.
+        assert_eq!(
+            SplitGemmPlan::new((4, 64, 50304, 2048, 128), SMS, SMEM, PARTS),
+            None
+        );
+        assert_eq!(
+            SplitGemmPlan::new((4, 0, 2048, 2048, 128), SMS, SMEM, PARTS),
+            None
+        );
+    }
+
+    #[test]
+    fn split_gemm_plan_fits_shared_memory() {
+        for bits in BITS {
+            for group in [32, 96, 128, 160, 2048] {
+                for rows in [1, 16, 40, 64, 300] {
+                    for limit in [SMEM, 163 * 1024, 99 * 1024] {
+                        let shape = (bits, rows, 2048, 4096, group);
+                        let p = SplitGemmPlan::new(shape, SMS, limit, usize::MAX).unwrap();
+                        assert!(p.smem <= limit, "{shape:?}: {p:?}");
+                    }
+                }
+            }
+        }
+        // The largest block: 64 rows of f16 weights, 8 warps.
+        assert_eq!(split_gemm_smem(16, 4, 8, 128), 64 * 528 + 128 * 528);
+        // INT4, group 32: eight groups a segment, a scale and a zero word per row.
+        assert_eq!(
+            split_gemm_smem(4, 2, 8, 32),
+            32 * 528 + 128 * 144 + 2 * 8 * 128 * 4
+        );
+    }
+
+    #[test]
+    fn small_gemm_plan_keeps_its_stages_in_shared_memory() {
+        for bits in BITS {
+            for rows in [1, 16, 17, 33, 64, 300] {
+                for n in [16, 100, 2048, 16384] {
+                    for limit in [SMEM, 163 * 1024, 99 * 1024] {
+                        let p = SmallGemmPlan::new(bits, rows, n, SMS, limit);
+                        let tiles = SMALL_GEMM_TILES[p.tiles_index];
+                        assert!(p.smem <= limit, "{bits} bits, {rows} rows, N {n}: {p:?}");
+                        assert_eq!(p.smem, small_gemm_smem(bits, tiles, p.col_groups));
+                        assert!(tiles * p.col_groups <= SMALL_GEMM_OUTS);
+                        let (x, y, _) = p.grid();
+                        assert!(x as usize * 16 * p.col_groups >= n);
+                        assert!(y as usize * tiles * MMA_ROWS >= rows);
+                    }
+                }
+            }
+        }
+        // f16 weights over 64 rows do not fit with one column group: two.
+        let p = SmallGemmPlan::new(16, 64, 2048, SMS, SMEM);
+        assert_eq!((SMALL_GEMM_TILES[p.tiles_index], p.col_groups), (4, 2));
+        // A 99 KiB GPU takes f16 products of 64 rows in tiles of two.
+        let p = SmallGemmPlan::new(16, 64, 2048, SMS, 99 * 1024);
+        assert_eq!(SMALL_GEMM_TILES[p.tiles_index], 2);
+    }
 
     #[test]
     fn program_indices_name_their_sources() {

@@ -6,7 +6,8 @@ use std::sync::OnceLock;
 
 use super::blas::Output;
 use super::driver::{Arg, DevBuf};
-use super::{blocks_for, kernels, CudaBackend};
+use super::kernels::{self, SmallGemmPlan, SplitGemmPlan};
+use super::{blocks_for, CudaBackend};
 use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual};
 use crate::error::{Error, Result};
 use crate::format::{check_group_size, DType};
@@ -229,10 +230,12 @@ impl CudaBackend {
     }
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` without the GEMV path (`out` rows are `range.len()` wide):
-    /// the tensor-core GEMM (64 × 64 tiles where they fill the GPU; otherwise, and for at most
-    /// one MMA tile of rows, blocks of 16 weight rows whose warps take K in parallel segments),
-    /// or the generic kernel for shapes it does not take. Each output is accumulated in the same order whatever `rows`
-    /// is, in both tilings, so a row's result does not depend on the rows computed with it.
+    /// the tensor-core GEMM (a block per segment of K where the partial sums fit in the
+    /// scratch; else 64 × 64 tiles where they fill the GPU; otherwise, and for at most one MMA
+    /// tile of rows, blocks of 16 weight rows whose warps take K in parallel segments), or the
+    /// generic kernel for shapes it does not take. Each output is accumulated in the same order
+    /// whatever `rows` is, in every kernel, so a row's result does not depend on the rows
+    /// computed with it.
     pub(super) fn product(
         &self,
         x: u64,
@@ -282,35 +285,76 @@ impl CudaBackend {
             Arg::P(out),
             acc,
         ];
+        // Split by segment wherever the partial sums fit in the scratch; otherwise 64 x 64
+        // tiles where they fill the GPU, blocks of 16 weight rows where they do not.
+        let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
+        let shape = (w.bits, rows, n, w.cols, w.group_arg());
+        let (_, parts) = self.gemm_parts();
+        if let Some(plan) = SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
+            return self.split_product(&args, rows * n, plan, w, out, accumulate);
+        }
         let large_tiles_fill = n.div_ceil(64) * rows.div_ceil(64) >= self.gpu.sms;
         if rows <= kernels::MMA_ROWS || !large_tiles_fill {
-            let mma_tiles = rows.div_ceil(kernels::MMA_ROWS);
-            let ti = kernels::SMALL_GEMM_TILES
-                .iter()
-                .position(|&t| t >= mma_tiles)
-                .unwrap_or(kernels::SMALL_GEMM_TILES.len() - 1);
-            let tiles = kernels::SMALL_GEMM_TILES[ti];
-            let row_blocks = rows.div_ceil(tiles * kernels::MMA_ROWS);
-            // The widest blocks that still give every SM one: X is read once per block.
-            let col_groups = kernels::SMALL_GEMM_COL_GROUPS
-                .into_iter()
-                .filter(|&c| c * tiles <= kernels::SMALL_GEMM_OUTS)
-                .find(|&c| n.div_ceil(16 * c) * row_blocks >= self.gpu.sms)
-                .unwrap_or(1);
-            let grid = (n.div_ceil(16 * col_groups) as u32, row_blocks as u32, 1);
+            let plan = SmallGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit);
+            let SmallGemmPlan {
+                tiles_index,
+                col_groups,
+                ..
+            } = plan;
             let mut args = args.to_vec();
             args.push(Arg::usize(col_groups));
             return self.run(
                 "gemm_small",
-                k.gemm_small[w.bits_index()][ti],
-                grid,
+                k.gemm_small[w.bits_index()][tiles_index],
+                plan.grid(),
                 kernels::SMALL_GEMM_THREADS,
-                0,
+                plan.smem,
                 &args,
             );
         }
         let grid = (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1);
         self.run("gemm", k.gemm[w.bits_index()], grid, 128, 0, &args);
+    }
+
+    /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into the
+    /// scratch's partial sums, then added in order into `out`. `args` are `gemm_b*`'s.
+    fn split_product(
+        &self,
+        args: &[Arg],
+        outputs: usize,
+        plan: SplitGemmPlan,
+        w: &CudaLinear,
+        out: u64,
+        accumulate: bool,
+    ) {
+        let k = &self.gpu.kernels;
+        let (parts, _) = self.gemm_parts();
+        let mut split_args = args[..9].to_vec();
+        split_args.push(Arg::P(parts));
+        self.run(
+            "gemm_split",
+            k.gemm_split[w.bits_index()][plan.tiles_index],
+            plan.grid(),
+            32 * plan.warps as u32,
+            plan.smem,
+            &split_args,
+        );
+        let sum_args = [
+            Arg::P(parts),
+            Arg::usize(plan.segments),
+            Arg::usize(outputs),
+            Arg::P(out),
+            Arg::I(accumulate as i32),
+        ];
+        let grid = (outputs.div_ceil(256) as u32, 1, 1);
+        self.run(
+            "gemm_segments_sum",
+            k.gemm_segments_sum,
+            grid,
+            256,
+            0,
+            &sum_args,
+        );
     }
 
     /// Whether one row's norm can be fused into the GEMV of `w` (decode): the normalizing

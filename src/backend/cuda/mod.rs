@@ -71,6 +71,12 @@ const SCRATCH_ENTROPY_PARTS: usize = 3072;
 const SCRATCH_TICKETS: usize = SCRATCH_ENTROPY_PARTS + 3 * 4 * ARGMAX_BLOCKS;
 /// Most blocks of the argmax and entropy kernels (one candidate each in the scratch buffer).
 const ARGMAX_BLOCKS: usize = 256;
+/// Floats of per-segment sums a session's products may split into (4 MiB: 16 rows of an
+/// 8192-wide product over K = 2048); a product that needs more takes an unsplit kernel. An
+/// engine's backend holds enough for every block product of its largest step
+/// (`kernels::split_parts_per_row`), up to 256 MiB.
+const SESSION_GEMM_PARTS: usize = 1 << 20;
+const ENGINE_GEMM_PARTS: usize = 1 << 26;
 
 /// Whether the CUDA driver library is present and reports at least one device (cheap; creates no
 /// context). Used by tests and the CLI to decide whether to run CUDA work.
@@ -140,6 +146,12 @@ fn blocks_for(len: usize, threads: usize) -> u32 {
     len.div_ceil(threads).clamp(1, 4096) as u32
 }
 
+/// Byte offset in a backend's scratch of the per-segment sums of split products
+/// (`kernels::SplitGemmPlan`): after the attention split partials.
+fn gemm_parts_at(partial_offset: usize, split_floats: usize) -> usize {
+    (partial_offset + split_floats * 4).div_ceil(256) * 256
+}
+
 impl CudaBackend {
     /// Open GPU `ordinal` (context and kernels are created once per process and shared), tuned
     /// by the CUDA variables of the process environment. A bad value of one of them is an
@@ -150,7 +162,7 @@ impl CudaBackend {
         // cudarc panics when a driver symbol is missing (a driver older than the bindings).
         let opened = std::panic::catch_unwind(|| {
             let (gpu, load) = Gpu::get(ordinal, &kernel_options)?;
-            CudaBackend::with_gpu(gpu, load, tuning, 0, 0)
+            CudaBackend::with_gpu(gpu, load, tuning, 0, 0, SESSION_GEMM_PARTS)
         });
         opened.unwrap_or_else(|panic| {
             let msg = panic
@@ -168,6 +180,7 @@ impl CudaBackend {
         tuning: Tuning,
         split_floats: usize,
         tickets: usize,
+        gemm_parts_floats: usize,
     ) -> Result<CudaBackend> {
         gpu.bind()?;
         let stream = gpu
@@ -175,8 +188,8 @@ impl CudaBackend {
             .new_stream()
             .map_err(|e| device_error("creating a stream", e))?;
         let partial_offset = (SCRATCH_TICKETS + tickets * 4).div_ceil(256) * 256;
-        let bytes = partial_offset + split_floats * 4;
-        let scratch = gpu.zeroed(bytes, "attention scratch")?;
+        let bytes = gemm_parts_at(partial_offset, split_floats) + gemm_parts_floats * 4;
+        let scratch = gpu.zeroed(bytes, "attention and product scratch")?;
         let overlap = gpu.arch.0 >= 9 && tuning.pdl;
         Ok(CudaBackend {
             gpu,
@@ -195,6 +208,12 @@ impl CudaBackend {
         })
     }
 
+    /// The device address of the per-segment sums of split products, and how many floats fit.
+    fn gemm_parts(&self) -> (u64, usize) {
+        let at = gemm_parts_at(self.partial_offset, self.split_floats);
+        (self.scratch.ptr + at as u64, (self.scratch.bytes - at) / 4)
+    }
+
     /// A backend for one session of a model with `config`: same GPU and kernels, its own stream
     /// and attention scratch.
     pub fn session(&self, config: &ModelConfig) -> Result<CudaBackend> {
@@ -210,8 +229,14 @@ impl CudaBackend {
             ms: 0.0,
         };
         let tickets = SPLIT_ROWS * config.n_heads;
-        let mut backend =
-            CudaBackend::with_gpu(self.gpu.clone(), load, self.tuning, split_floats, tickets)?;
+        let mut backend = CudaBackend::with_gpu(
+            self.gpu.clone(),
+            load,
+            self.tuning,
+            split_floats,
+            tickets,
+            SESSION_GEMM_PARTS,
+        )?;
         backend.attention_heads = Some((config.n_heads, hd));
         if self.fp16_body {
             backend.blas = Some(Box::new(backend.new_blas()?));
@@ -242,8 +267,15 @@ impl CudaBackend {
             note: String::new(),
             ms: 0.0,
         };
-        let mut backend =
-            CudaBackend::with_gpu(self.gpu.clone(), load, self.tuning, split_floats, tickets)?;
+        let gemm_parts = (max_rows * kernels::split_parts_per_row(config)).min(ENGINE_GEMM_PARTS);
+        let mut backend = CudaBackend::with_gpu(
+            self.gpu.clone(),
+            load,
+            self.tuning,
+            split_floats,
+            tickets,
+            gemm_parts,
+        )?;
         backend.invariant = Some(invariant);
         Ok(backend)
     }
