@@ -2,9 +2,10 @@
 // (mma.sync m16n8k16, f16 inputs, f32 accumulation; sm_80 and later).
 //
 // Quantized weights enter the tensor cores as their integer codes, which f16 holds exactly, so
-// each 32-wide K tile (inside one quantization group: the host requires group % 32 == 0) gives
-//     T[m, n] = sum_k q[n, k] X[m, k]   and   S[m] = sum_k X[m, k]   (an mma against ones),
-// both exact products accumulated in f32, and the tile adds s[n, g] * T + z[n, g] * S: the
+// each unit of K (the 32-wide tiles of one quantization group inside one segment: the host
+// requires group % 32 == 0) gives
+//     T[m, n] = sum_k q[n, k] X[m, k]   and   S[m] = sum_k X[m, k]   (MMAs against ones),
+// both exact products accumulated in f32, and the unit adds s[n, g] * T + z[n, g] * S: the
 // contract's f32 dequantize-and-accumulate, up to the order of f32 additions. No weight is ever
 // rounded to f16.
 //
@@ -29,10 +30,14 @@ DEV u32 codes_to_f16x2(u32 pair) {
     return r;
 }
 
-// Codes 2p and 2p+1 of a word of 8 int4 codes, as f16x2.
+// Codes 2p and 2p+1 of a word of 8 int4 codes, as f16x2: byte p to both halves, the low code
+// as 1024 + c and the high one as 1024 + 16 c, then (h - 1024, h / 16 - 64), exact in f16.
 DEV u32 q4_pair(u32 w, int p) {
-    const u32 y = w >> (8 * p);
-    return codes_to_f16x2((y & 0xFu) | ((y & 0xF0u) << 12));
+    u32 b, r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(b) : "r"(w), "r"(0x4040u | p | (p << 8)));
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(b), "r"(0x00F0000Fu), "r"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x2C003C00u), "r"(0xD400E400u));
+    return r;
 }
 
 // Codes 2p and 2p+1 of a word of 16 int2 codes, as f16x2.
@@ -41,10 +46,10 @@ DEV u32 q2_pair(u32 w, int p) {
     return codes_to_f16x2((y & 0x3u) | ((y & 0xCu) << 14));
 }
 
-// A quantized product's step per 32-wide K tile, shared by the GEMM kernels so that a row's
-// result does not depend on which of them computed it: output column n's scale and zero for
-// the tile (zero past N), then acc += s * T + z * S for rows g and g + 8 of an MMA tile (T in
-// tq[e], tq[e + 2] and S in px[0], px[2], as mma16816 leaves them).
+// A quantized product's step per unit of K, shared by the GEMM kernels so that a row's result
+// does not depend on which of them computed it: output column n's scale and zero for the unit
+// (zero past N), then acc += s * T + z * S for rows g and g + 8 of an MMA tile (T in tq[e],
+// tq[e + 2] and S in px[0], px[2], as mma16816 leaves them).
 DEV float2 scale_zero(const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int n,
                       int N, int G, int gi) {
     if (n >= N) return make_float2(0.0f, 0.0f);
@@ -55,6 +60,13 @@ DEV float2 scale_zero(const f16_t* __restrict__ sz, const f16_t* __restrict__ ze
 DEV void add_dequantized(float* acc, const float* tq, const float* px, int e, float2 sz) {
     acc[e] = fmaf(sz.x, tq[e], fmaf(sz.y, px[0], acc[e]));
     acc[e + 2] = fmaf(sz.x, tq[e + 2], fmaf(sz.y, px[2], acc[e + 2]));
+}
+
+// Whether the 32-wide tile at k0 ends a unit: the next starts a quantization group, a segment,
+// or is past K.
+DEV bool unit_ends(int k0, int K, int group) {
+    const int next = k0 + 32;
+    return next >= K || next % GEMM_SEGMENT == 0 || next % group == 0;
 }
 
 template <int BITS>
@@ -130,21 +142,10 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
     load_tile(0);
     store_tile();
     __syncthreads();
+    float tq[2][4][4] = {}, px[2][4] = {}; // the current unit's T and S
     for (int k0 = 0; k0 < K; k0 += BK) {
         const bool more = k0 + BK < K;
         if (more) load_tile(k0 + BK);
-        float tq[2][4][4], px[2][4];
-        if (Q) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) px[i][e] = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) tq[i][j][e] = 0.0f;
-            }
-        }
 #pragma unroll
         for (int ks = 0; ks < BK / 2; ks += 8) {
             u32 a[2][4], b[4][2];
@@ -169,7 +170,7 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
                 if (Q) mma16816(px[mt], a[mt], ones);
             }
         }
-        if (Q) {
+        if (Q && unit_ends(k0, K, group)) {
             const int gi = k0 / group;
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {
@@ -181,6 +182,15 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
                     for (int mt = 0; mt < 2; mt++)
                         add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, q);
                 }
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) px[mt][e] = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) tq[mt][nt][e] = 0.0f;
             }
         }
         if ((k0 + BK) % GEMM_SEGMENT == 0 || !more) {
@@ -375,30 +385,40 @@ DEV void small_copy_x(u32 stage, const f16_t* __restrict__ X, int M, int K, int 
     }
 }
 
-// acc += this tile's contribution, as the 64 x 64 kernel adds it.
+// One 32-wide tile's products, as the 64 x 64 kernel takes them: quantized weights into the
+// unit's T (tq) and S (px), f16 weights straight into the segment's sums (acc).
 template <int BITS, int MT>
-DEV void small_tile(float (&acc)[MT][2][4], const SmallFrags<MT>& f) {
+DEV void tile_products(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px)[MT][4],
+                       const SmallFrags<MT>& f) {
     const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        if (BITS == 16) {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++) mma16816(acc[mt][nt], f.a[mt][h], f.b[nt][h]);
-            continue;
-        }
-        float tq[2][4] = {}, px[4] = {};
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) mma16816(tq[nt], f.a[mt][h], f.b[nt][h]);
-            mma16816(px, f.a[mt][h], ones);
+            for (int nt = 0; nt < 2; nt++)
+                mma16816(BITS == 16 ? acc[mt][nt] : tq[mt][nt], f.a[mt][h], f.b[nt][h]);
+            if (BITS != 16) mma16816(px[mt], f.a[mt][h], ones);
         }
+}
+
+// The end of a unit: acc += s * T + z * S with the unit's scales and zeros (f.sz), as the 64 x 64
+// kernel adds them, and T and S back to zero.
+template <int MT>
+DEV void flush_unit(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px)[MT][4],
+                    const SmallFrags<MT>& f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-            for (int e = 0; e < 2; e++) add_dequantized(acc[mt][nt], tq[nt], px, e, f.sz[nt][e]);
+            for (int e = 0; e < 2; e++) add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, f.sz[nt][e]);
+#pragma unroll
+        for (int e = 0; e < 4; e++) px[mt][e] = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) tq[mt][nt][e] = 0.0f;
     }
 }
 
@@ -461,7 +481,7 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
 
     float total[SMALL_OUTS] = {}; // outputs tid + 256 i of the block, in (row, column) order
     for (int wave = 0; wave < waves; wave++) {
-        float acc[MT][2][4] = {};
+        float acc[MT][2][4] = {}, tq[MT][2][4] = {}, px[MT][4] = {};
         for (int i = 0; i < GEMM_SEGMENT / 32; i++) {
             const int j = wave * (GEMM_SEGMENT / 32) + i;
             cp_async_wait<SMALL_STAGES - 2>();
@@ -479,10 +499,12 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                 SmallFrags<MT> f;
                 read_frags<BITS, MT>(f, ring_addr + s * stage_bytes, SMALL_X_ROW, w,
                                      small_w_row(BITS), cg * 16);
-                if (BITS != 16)
+                tile_products<BITS, MT>(acc, tq, px, f);
+                if (BITS != 16 && unit_ends(k0, K, group)) {
                     words_scales<MT>(f, (const u32*)(w + cols * small_w_row(BITS)), cols,
                                      cg * 16, nb, sz, zeros, G, k0 / group);
-                small_tile<BITS, MT>(acc, f);
+                    flush_unit<MT>(acc, tq, px, f);
+                }
             }
         }
         const int seg = wave * k_groups + kg;
@@ -614,20 +636,20 @@ DEV void gemm_split(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         __syncthreads();
     }
 
-    float acc[MT][2][4] = {};
+    float acc[MT][2][4] = {}, tq[MT][2][4] = {}, px[MT][4] = {};
     int gl = 0, next_group = (g0 + 1) * group; // the tile's group, and where the next begins
     for (int k = 0; k < k_len; k += 32) {
         SmallFrags<MT> f;
         read_frags<BITS, MT>(f, xs + k * 2, SPLIT_X_ROW,
                              smem + 16 * MT * SPLIT_X_ROW + k * BITS / 8, w_row, warp * 16);
-        if (BITS != 16) {
-            if (k_begin + k >= next_group) {
-                gl++;
-                next_group += group;
-            }
+        tile_products<BITS, MT>(acc, tq, px, f);
+        // A unit ends with the segment or before the next group.
+        if (BITS != 16 && (k + 32 == k_len || k_begin + k + 32 == next_group)) {
             table_scales<MT>(f, table + gl * cols, warp * 16);
+            flush_unit<MT>(acc, tq, px, f);
+            gl++;
+            next_group += group;
         }
-        small_tile<BITS, MT>(acc, f);
     }
 
     float* mine = parts + (size_t)seg * M * N;
