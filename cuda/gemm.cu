@@ -62,6 +62,36 @@ DEV void add_dequantized(float* acc, const float* tq, const float* px, int e, fl
     acc[e + 2] = fmaf(sz.x, tq[e + 2], fmaf(sz.y, px[2], acc[e + 2]));
 }
 
+// A warp's sums of 16 MT rows by 16 columns (as mma16816 leaves them) to dst[m * stride + n],
+// the first `rows` rows and `cols` columns of them.
+template <int MT>
+DEV void store_warp_tile(const float (&acc)[MT][2][4], float* dst, int stride, int rows,
+                         int cols) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int m = mt * 16 + g + (e >= 2 ? 8 : 0), n = nt * 8 + t * 2 + (e & 1);
+                if (m < rows && n < cols) dst[(size_t)m * stride + n] = acc[mt][nt][e];
+            }
+}
+
+// T and S of MT row tiles by NT column tiles back to zero, for the next unit.
+template <int MT, int NT> DEV void zero_unit(float (&tq)[MT][NT][4], float (&px)[MT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) px[mt][e] = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) tq[mt][nt][e] = 0.0f;
+    }
+}
+
 // Whether the 32-wide tile at k0 ends a unit: the next starts a quantization group, a segment,
 // or is past K.
 DEV bool unit_ends(int k0, int K, int group) {
@@ -183,15 +213,7 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
                         add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, q);
                 }
             }
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) px[mt][e] = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) tq[mt][nt][e] = 0.0f;
-            }
+            zero_unit<2, 4>(tq, px);
         }
         if ((k0 + BK) % GEMM_SEGMENT == 0 || !more) {
 #pragma unroll
@@ -413,13 +435,8 @@ DEV void flush_unit(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px)[M
         for (int nt = 0; nt < 2; nt++)
 #pragma unroll
             for (int e = 0; e < 2; e++) add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, f.sz[nt][e]);
-#pragma unroll
-        for (int e = 0; e < 4; e++) px[mt][e] = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) tq[mt][nt][e] = 0.0f;
     }
+    zero_unit<MT, 2>(tq, px);
 }
 
 template <int BITS, int MT>
@@ -432,7 +449,6 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     extern __shared__ __align__(16) u8 smem[];
     const u64 policy = l2_policy(stream_hint != 0);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
     const int cols = 16 * col_groups, k_groups = SMALL_WARPS / col_groups;
     const int cg = warp % col_groups, kg = warp / col_groups;
     const int gt = cg * 32 + lane, gthreads = 32 * col_groups;
@@ -507,19 +523,8 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                 }
             }
         }
-        const int seg = wave * k_groups + kg;
-        if (seg < segments) {
-            float* mine = partial + kg * outs + cg * 16;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int m = mt * 16 + g + (e >= 2 ? 8 : 0);
-                        mine[m * cols + nt * 8 + t * 2 + (e & 1)] = acc[mt][nt][e];
-                    }
-        }
+        if (wave * k_groups + kg < segments)
+            store_warp_tile<MT>(acc, partial + kg * outs + cg * 16, cols, 16 * MT, 16);
         __syncthreads();
         const int here = min(k_groups, segments - wave * k_groups);
 #pragma unroll
@@ -571,7 +576,6 @@ DEV void gemm_split(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     extern __shared__ __align__(16) u8 smem[];
     const u64 policy = l2_policy(stream_hint != 0);
     const int tid = threadIdx.x, threads = blockDim.x, warp = tid >> 5;
-    const int lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int cols = 16 * (threads / 32); // 16 weight rows per warp
     const int nb = blockIdx.x * cols, seg = blockIdx.y, m0 = blockIdx.z * 16 * MT;
     const int k_begin = seg * GEMM_SEGMENT, k_len = min(GEMM_SEGMENT, K - k_begin);
@@ -652,17 +656,8 @@ DEV void gemm_split(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         }
     }
 
-    float* mine = parts + (size_t)seg * M * N;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = m0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-                const int n = nb + warp * 16 + nt * 8 + t * 2 + (e & 1);
-                if (m < M && n < N) mine[(size_t)m * N + n] = acc[mt][nt][e];
-            }
+    const int n0 = nb + warp * 16;
+    store_warp_tile<MT>(acc, parts + ((size_t)seg * M + m0) * N + n0, N, M - m0, N - n0);
 }
 
 // out[i] (+)= the segments' sums of element i of parts[segment][M * N], added in order from zero.

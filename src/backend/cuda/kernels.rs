@@ -219,6 +219,17 @@ pub(crate) fn split_parts_per_row(config: &ModelConfig) -> usize {
     .unwrap_or(0)
 }
 
+/// A product's shape as the GEMM plans see it: `rows` rows of X times `n` weight rows of `bits`
+/// bits over K = `k`, quantized in groups of `group` (K for f16 weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProductShape {
+    pub bits: u32,
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+    pub group: usize,
+}
+
 /// How `gemm_split` covers a product of `rows` rows by `n` weight rows over K = `k`: row tiles
 /// and warps per block (16 weight rows each), one block per (column block, segment, row block);
 /// `gemm_segments_sum` then adds `segments` partial sums of `rows * n` floats.
@@ -237,12 +248,18 @@ impl SplitGemmPlan {
     /// floats (or no block fits in `smem_limit`). Blocks of 8 warps where that still gives every
     /// SM two blocks, else of 4.
     pub fn new(
-        shape: (u32, usize, usize, usize, usize),
+        shape: ProductShape,
         sms: usize,
         smem_limit: usize,
         parts_floats: usize,
     ) -> Option<Self> {
-        let (bits, rows, n, k, group) = shape;
+        let ProductShape {
+            bits,
+            rows,
+            n,
+            k,
+            group,
+        } = shape;
         let segments = k.div_ceil(GEMM_SEGMENT);
         if rows == 0 || n == 0 || segments * rows * n > parts_floats {
             return None;
@@ -966,29 +983,39 @@ mod tests {
         assert_eq!((SMALL_GEMM_TILES[p.tiles_index], p.grid().1), (4, 4));
     }
 
+    fn shape(bits: u32, rows: usize, n: usize, k: usize, group: usize) -> ProductShape {
+        ProductShape {
+            bits,
+            rows,
+            n,
+            k,
+            group,
+        }
+    }
+
     #[test]
     fn split_gemm_plan_gives_a_block_per_columns_segment_and_rows() {
         const PARTS: usize = 1 << 22;
         // 32 decode rows, N 6144, K 2048: 8 segments, 48 blocks of 128 columns each.
-        let p = SplitGemmPlan::new((4, 32, 6144, 2048, 128), SMS, SMEM, PARTS).unwrap();
+        let p = SplitGemmPlan::new(shape(4, 32, 6144, 2048, 128), SMS, SMEM, PARTS).unwrap();
         assert_eq!(
             (SMALL_GEMM_TILES[p.tiles_index], p.warps, p.segments),
             (2, 8, 8)
         );
         assert_eq!(p.grid(), (48, 8, 1));
         // N 2048: 128 blocks of 8 warps would leave SMs with one; blocks of 4.
-        let p = SplitGemmPlan::new((4, 32, 2048, 2048, 128), SMS, SMEM, PARTS).unwrap();
+        let p = SplitGemmPlan::new(shape(4, 32, 2048, 2048, 128), SMS, SMEM, PARTS).unwrap();
         assert_eq!((p.warps, p.grid()), (4, (32, 8, 1)));
         // A partial last segment, 100 rows in two row blocks of 64.
-        let p = SplitGemmPlan::new((2, 100, 4096, 2080, 32), SMS, SMEM, PARTS).unwrap();
+        let p = SplitGemmPlan::new(shape(2, 100, 4096, 2080, 32), SMS, SMEM, PARTS).unwrap();
         assert_eq!((p.segments, p.grid().2), (9, 2));
         // Too many partial sums for the scratch: no split.
         assert_eq!(
-            SplitGemmPlan::new((4, 64, 50304, 2048, 128), SMS, SMEM, PARTS),
+            SplitGemmPlan::new(shape(4, 64, 50304, 2048, 128), SMS, SMEM, PARTS),
             None
         );
         assert_eq!(
-            SplitGemmPlan::new((4, 0, 2048, 2048, 128), SMS, SMEM, PARTS),
+            SplitGemmPlan::new(shape(4, 0, 2048, 2048, 128), SMS, SMEM, PARTS),
             None
         );
     }
@@ -999,9 +1026,9 @@ mod tests {
             for group in [32, 96, 128, 160, 2048] {
                 for rows in [1, 16, 40, 64, 300] {
                     for limit in [SMEM, 163 * 1024, 99 * 1024] {
-                        let shape = (bits, rows, 2048, 4096, group);
-                        let p = SplitGemmPlan::new(shape, SMS, limit, usize::MAX).unwrap();
-                        assert!(p.smem <= limit, "{shape:?}: {p:?}");
+                        let s = shape(bits, rows, 2048, 4096, group);
+                        let p = SplitGemmPlan::new(s, SMS, limit, usize::MAX).unwrap();
+                        assert!(p.smem <= limit, "{s:?}: {p:?}");
                     }
                 }
             }

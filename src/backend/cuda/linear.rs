@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use super::blas::Output;
 use super::driver::{Arg, DevBuf};
-use super::kernels::{self, SmallGemmPlan, SplitGemmPlan};
+use super::kernels::{self, ProductShape, SmallGemmPlan, SplitGemmPlan};
 use super::{blocks_for, CudaBackend};
 use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual};
 use crate::error::{Error, Result};
@@ -288,7 +288,13 @@ impl CudaBackend {
         // Split by segment wherever the partial sums fit in the scratch; otherwise 64 x 64
         // tiles where they fill the GPU, blocks of 16 weight rows where they do not.
         let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
-        let shape = (w.bits, rows, n, w.cols, w.group_arg());
+        let shape = ProductShape {
+            bits: w.bits,
+            rows,
+            n,
+            k: w.cols,
+            group: w.group_arg(),
+        };
         let (_, parts) = self.gemm_parts();
         if let Some(plan) = SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
             return self.split_product(&args, rows * n, plan, w, out, accumulate);

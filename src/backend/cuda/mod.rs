@@ -214,6 +214,22 @@ impl CudaBackend {
         (self.scratch.ptr + at as u64, (self.scratch.bytes - at) / 4)
     }
 
+    /// A backend on the same GPU and kernels with its own stream and scratch (attention split
+    /// partials and tickets, and the partial sums of split products).
+    fn sibling(
+        &self,
+        split_floats: usize,
+        tickets: usize,
+        gemm_parts: usize,
+    ) -> Result<CudaBackend> {
+        let load = KernelLoad {
+            note: String::new(),
+            ms: 0.0,
+        };
+        let gpu = self.gpu.clone();
+        CudaBackend::with_gpu(gpu, load, self.tuning, split_floats, tickets, gemm_parts)
+    }
+
     /// A backend for one session of a model with `config`: same GPU and kernels, its own stream
     /// and attention scratch.
     pub fn session(&self, config: &ModelConfig) -> Result<CudaBackend> {
@@ -224,19 +240,8 @@ impl CudaBackend {
             )));
         }
         let split_floats = SPLIT_ROWS * config.n_heads * MAX_SPLITS * (hd + 2);
-        let load = KernelLoad {
-            note: String::new(),
-            ms: 0.0,
-        };
         let tickets = SPLIT_ROWS * config.n_heads;
-        let mut backend = CudaBackend::with_gpu(
-            self.gpu.clone(),
-            load,
-            self.tuning,
-            split_floats,
-            tickets,
-            SESSION_GEMM_PARTS,
-        )?;
+        let mut backend = self.sibling(split_floats, tickets, SESSION_GEMM_PARTS)?;
         backend.attention_heads = Some((config.n_heads, hd));
         if self.fp16_body {
             backend.blas = Some(Box::new(backend.new_blas()?));
@@ -263,19 +268,8 @@ impl CudaBackend {
         let invariant = RowInvariant::for_positions(max_positions);
         let tickets = max_rows * config.n_heads;
         let split_floats = tickets * max_positions.div_ceil(invariant.span) * (hd + 2);
-        let load = KernelLoad {
-            note: String::new(),
-            ms: 0.0,
-        };
         let gemm_parts = (max_rows * kernels::split_parts_per_row(config)).min(ENGINE_GEMM_PARTS);
-        let mut backend = CudaBackend::with_gpu(
-            self.gpu.clone(),
-            load,
-            self.tuning,
-            split_floats,
-            tickets,
-            gemm_parts,
-        )?;
+        let mut backend = self.sibling(split_floats, tickets, gemm_parts)?;
         backend.invariant = Some(invariant);
         Ok(backend)
     }
