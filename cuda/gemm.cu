@@ -682,7 +682,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 
 // grid (ceil(N / (16 col_groups)), ceil(M / (16 MT))), 32 SMALL_WARPS threads; the arguments
-// of gemm_b*, then col_groups (1, 2 or 4, with MT * col_groups <= SMALL_OUTS). Two blocks a
+// of gemm_b*, then col_groups (1, 2, 4 or 8, with MT * col_groups <= SMALL_OUTS). Two blocks a
 // SM where one or two row tiles leave the registers for it.
 #define GEMM_SMALL_KERNEL(B, MT, MIN_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * SMALL_WARPS, MIN_BLOCKS)                     \
