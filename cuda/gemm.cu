@@ -264,13 +264,13 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
 // shape.
 //
 // Every output takes the operations of the 64 x 64 kernel in the same order (per segment, from
-// zero: per 32-wide K tile, two MMAs from zero for T, the same two against ones for S, then
-// add_dequantized; the segments' sums added in order), so a row's result does not depend on which
-// kernel, which MT or which column grouping computed it.
+// zero: per unit, the MMAs of its 32-wide tiles chained from zero for T, the same against ones
+// for S, then add_dequantized; the segments' sums added in order), so a row's result does not
+// depend on which kernel, which MT or which column grouping computed it.
 #define SMALL_WARPS 8  // warps per block
 #define SMALL_OUTS 8   // outputs per thread in the final sums: MT * col_groups <= 8
 #define SMALL_STAGES 4 // tiles in flight per K group
-#define SMALL_X_ROW 80 // bytes per row of X in a stage: 32 halves + 16 bytes (ldmatrix without bank conflicts)
+#define SMALL_X_ROW 80 // bytes per X row of a stage: 32 halves + 16 (ldmatrix, no bank conflicts)
 
 // Bytes of one stage (src/backend/cuda/kernels.rs `small_gemm_smem` computes the same): X, the
 // codes (f16 rows padded like X), then a scale word and a zero word per weight row.
@@ -557,8 +557,8 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
 // where the K-group kernel above gives a block per column group only.
 //
 // Each output takes the same operations in the same order as in the other two kernels (the
-// segment's products from zero, per 32-wide K tile as they do; the segments' sums added in order
-// from zero), so a row's result does not depend on which kernel computed it.
+// segment's products from zero, per unit as they do; the segments' sums added in order from
+// zero), so a row's result does not depend on which kernel computed it.
 #define SPLIT_X_ROW (2 * GEMM_SEGMENT + 16) // bytes per row of X: a segment + 16 (ldmatrix)
 
 // Bytes of a block's shared memory (src/backend/cuda/kernels.rs `split_gemm_smem` computes the

@@ -302,16 +302,11 @@ impl CudaBackend {
         let large_tiles_fill = n.div_ceil(64) * rows.div_ceil(64) >= self.gpu.sms;
         if rows <= kernels::MMA_ROWS || !large_tiles_fill {
             let plan = SmallGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit);
-            let SmallGemmPlan {
-                tiles_index,
-                col_groups,
-                ..
-            } = plan;
             let mut args = args.to_vec();
-            args.push(Arg::usize(col_groups));
+            args.push(Arg::usize(plan.col_groups));
             return self.run(
                 "gemm_small",
-                k.gemm_small[w.bits_index()][tiles_index],
+                k.gemm_small[w.bits_index()][plan.tiles_index],
                 plan.grid(),
                 kernels::SMALL_GEMM_THREADS,
                 plan.smem,
