@@ -182,6 +182,11 @@ DEV void cp_async16(u32 smem, const void* gmem, int bytes) {
                  : "memory");
 }
 
+// 8 bytes likewise (rows that are only 8-byte aligned: INT2 codes); all of them are read.
+DEV void cp_async8(u32 smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem), "l"(gmem) : "memory");
+}
+
 // The same for weights, under an L2 policy (l2_policy); 8-byte copies for rows that are only
 // 8-byte aligned (INT2 codes).
 DEV void cp_async16_w(u32 smem, const void* gmem, int bytes, u64 policy) {

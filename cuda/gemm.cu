@@ -9,15 +9,11 @@
 // contract's f32 dequantize-and-accumulate, up to the order of f32 additions. No weight is ever
 // rounded to f16.
 //
-// Block tile 64 x 64, K tile 32, 4 warps of 32 x 32; shared-memory rows padded by 16 bytes so the
-// fragment loads are free of bank conflicts; the next tile's global loads overlap the current
-// tile's math.
+// Three kernels share that order (docs/NUMERICS.md "The tensor-core GEMM's order"): block tiles
+// that walk all of K for many rows (gemm_tiled), warps that take K in parallel segments for few
+// rows (gemm_small), and a block per segment whose sums a second kernel adds (gemm_split).
 #include "common.cuh"
 
-#define BM 64
-#define BN 64
-#define BK 32
-#define SROW (BK / 2 + 4) // u32 words per shared row: 16 (32 halves) + 4 padding
 // All three kernels sum K in segments of this many: each segment's products from zero, then the
 // segments' sums in order. The K-group and split kernels compute segments in parallel; the order
 // of additions is the same.
@@ -47,16 +43,9 @@ DEV u32 q2_pair(u32 w, int p) {
 }
 
 // A quantized product's step per unit of K, shared by the GEMM kernels so that a row's result
-// does not depend on which of them computed it: output column n's scale and zero for the unit
-// (zero past N), then acc += s * T + z * S for rows g and g + 8 of an MMA tile (T in tq[e],
+// does not depend on which of them computed it: acc += s * T + z * S with the unit's scale and
+// zero for output column n (sz: zero past N) for rows g and g + 8 of an MMA tile (T in tq[e],
 // tq[e + 2] and S in px[0], px[2], as mma16816 leaves them).
-DEV float2 scale_zero(const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int n,
-                      int N, int G, int gi) {
-    if (n >= N) return make_float2(0.0f, 0.0f);
-    return make_float2(f16_to_f32(__ldg(sz + (size_t)n * G + gi)),
-                       f16_to_f32(__ldg(zeros + (size_t)n * G + gi)));
-}
-
 DEV void add_dequantized(float* acc, const float* tq, const float* px, int e, float2 sz) {
     acc[e] = fmaf(sz.x, tq[e], fmaf(sz.y, px[0], acc[e]));
     acc[e + 2] = fmaf(sz.x, tq[e + 2], fmaf(sz.y, px[2], acc[e + 2]));
@@ -99,159 +88,8 @@ DEV bool unit_ends(int k0, int K, int group) {
     return next >= K || next % GEMM_SEGMENT == 0 || next % group == 0;
 }
 
-template <int BITS>
-DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
-              const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N, int group,
-              int stream_hint, float* __restrict__ out, int accumulate) {
-    __shared__ __align__(16) u32 As[BM][SROW];
-    __shared__ __align__(16) u32 Bs[BN][SROW];
-    kernel_start();
-    const bool Q = BITS != 16;
-    const u64 policy = l2_policy(stream_hint != 0);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp >> 1, wn = warp & 1;
-    const int g = lane >> 2, t = lane & 3;
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-    const size_t row_bytes = (size_t)K * BITS / 8;
-    const int G = Q ? K / group : 1;
-    const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
-
-    float acc[2][4][4] = {};   // the current segment
-    float total[2][4][4] = {}; // the segments before it
-
-    // Software pipeline: the next K tile's global loads are in flight (in registers) while the
-    // tensor cores work on the current tile in shared memory.
-    const int brow = tid >> 1, bhalf = tid & 1;
-    const int bn = n0 + brow;
-    uint4 ra[2];
-    uint4 rb[2];
-    auto load_tile = [&](int k0) {
-#pragma unroll
-        for (int c2 = 0; c2 < 2; c2++) {
-            const int c = tid + c2 * 128;
-            const int row = c >> 2, part = c & 3;
-            ra[c2] = make_uint4(0u, 0u, 0u, 0u);
-            if (m0 + row < M) ra[c2] = *(const uint4*)(X + (size_t)(m0 + row) * K + k0 + part * 8);
-        }
-        rb[0] = rb[1] = make_uint4(0u, 0u, 0u, 0u);
-        if (bn < N) {
-            const u8* src = W + (size_t)bn * row_bytes;
-            if (BITS == 16) {
-                const u8* p = src + (size_t)k0 * 2 + bhalf * 32;
-                rb[0] = ld_w16(p, policy);
-                rb[1] = ld_w16(p + 16, policy);
-            } else if (BITS == 4) {
-                const uint2 w = ld_w8(src + k0 / 2 + bhalf * 8, policy);
-                rb[0].x = w.x;
-                rb[0].y = w.y;
-            } else {
-                rb[0].x = ld_w4(src + k0 / 4 + bhalf * 4, policy);
-            }
-        }
-    };
-    auto store_tile = [&]() {
-#pragma unroll
-        for (int c2 = 0; c2 < 2; c2++) {
-            const int c = tid + c2 * 128;
-            *(uint4*)&As[c >> 2][(c & 3) * 4] = ra[c2];
-        }
-        uint4 lo = rb[0], hi = rb[1];
-        if (BITS == 4) {
-            const u32 x = rb[0].x, y = rb[0].y;
-            lo = make_uint4(q4_pair(x, 0), q4_pair(x, 1), q4_pair(x, 2), q4_pair(x, 3));
-            hi = make_uint4(q4_pair(y, 0), q4_pair(y, 1), q4_pair(y, 2), q4_pair(y, 3));
-        } else if (BITS == 2) {
-            const u32 x = rb[0].x;
-            lo = make_uint4(q2_pair(x, 0), q2_pair(x, 1), q2_pair(x, 2), q2_pair(x, 3));
-            hi = make_uint4(q2_pair(x, 4), q2_pair(x, 5), q2_pair(x, 6), q2_pair(x, 7));
-        }
-        *(uint4*)&Bs[brow][bhalf * 8] = lo;
-        *(uint4*)&Bs[brow][bhalf * 8 + 4] = hi;
-    };
-
-    load_tile(0);
-    store_tile();
-    __syncthreads();
-    float tq[2][4][4] = {}, px[2][4] = {}; // the current unit's T and S
-    for (int k0 = 0; k0 < K; k0 += BK) {
-        const bool more = k0 + BK < K;
-        if (more) load_tile(k0 + BK);
-#pragma unroll
-        for (int ks = 0; ks < BK / 2; ks += 8) {
-            u32 a[2][4], b[4][2];
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                const int rb = wm * 32 + mt * 16;
-                a[mt][0] = As[rb + g][ks + t];
-                a[mt][1] = As[rb + g + 8][ks + t];
-                a[mt][2] = As[rb + g][ks + t + 4];
-                a[mt][3] = As[rb + g + 8][ks + t + 4];
-            }
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const int cb = wn * 32 + nt * 8;
-                b[nt][0] = Bs[cb + g][ks + t];
-                b[nt][1] = Bs[cb + g][ks + t + 4];
-            }
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++) mma16816(Q ? tq[mt][nt] : acc[mt][nt], a[mt], b[nt]);
-                if (Q) mma16816(px[mt], a[mt], ones);
-            }
-        }
-        if (Q && unit_ends(k0, K, group)) {
-            const int gi = k0 / group;
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int n = n0 + wn * 32 + nt * 8 + t * 2 + e;
-                    const float2 q = scale_zero(sz, zeros, n, N, G, gi);
-#pragma unroll
-                    for (int mt = 0; mt < 2; mt++)
-                        add_dequantized(acc[mt][nt], tq[mt][nt], px[mt], e, q);
-                }
-            }
-            zero_unit<2, 4>(tq, px);
-        }
-        if ((k0 + BK) % GEMM_SEGMENT == 0 || !more) {
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        total[mt][nt][e] = __fadd_rn(total[mt][nt][e], acc[mt][nt][e]);
-                        acc[mt][nt][e] = 0.0f;
-                    }
-        }
-        __syncthreads();
-        if (more) {
-            store_tile();
-            __syncthreads();
-        }
-    }
-
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int m = m0 + wm * 32 + mt * 16 + g + (e >= 2 ? 8 : 0);
-                const int n = n0 + wn * 32 + nt * 8 + t * 2 + (e & 1);
-                if (m < M && n < N) {
-                    const size_t o = (size_t)m * N + n;
-                    out[o] = accumulate ? __fadd_rn(out[o], total[mt][nt][e]) : total[mt][nt][e];
-                }
-            }
-        }
-    }
-}
-
 // Products of few rows (decode rows of a batch, a speculative verify pass, a short prompt).
-// There the 64 x 64 kernel is bound by latency, not by bytes: each block walks the whole of K one
+// There the tiled kernel is bound by latency, not by bytes: each block walks the whole of K one
 // tile after the other, and for N = 2048 only 32 blocks run. This one splits K among the warps
 // of a block: its SMALL_WARPS warps form `col_groups` groups of 16 weight rows (one per warp)
 // times SMALL_WARPS / col_groups K groups; each K group takes one segment at a time (in waves when
@@ -263,7 +101,7 @@ DEV void gemm(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ 
 // column groups read X less often per weight byte; fewer give more blocks: the host picks per
 // shape.
 //
-// Every output takes the operations of the 64 x 64 kernel in the same order (per segment, from
+// Every output takes the operations of the tiled kernel in the same order (per segment, from
 // zero: per unit, the MMAs of its 32-wide tiles chained from zero for T, the same against ones
 // for S, then add_dequantized; the segments' sums added in order), so a row's result does not
 // depend on which kernel, which MT or which column grouping computed it.
@@ -292,47 +130,78 @@ DEV float f16_of_word(u32 word, const f16_t* p) {
     return f16_to_f32((f16_t)((((size_t)p >> 1) & 1) ? word >> 16 : word & 0xffffu));
 }
 
-// A warp's X and weight fragments of one 32-wide K tile held in shared memory: X's rows through
-// ldmatrix from `x` (row 0 of the tile; rows `x_row` bytes apart), its 16 weight rows from row
-// `cr` of `w` (rows `w_row` bytes apart).
-template <int BITS, int MT>
-DEV void read_frags(SmallFrags<MT>& f, u32 x, int x_row, const u8* w, int w_row, int cr) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// A warp's X fragments of one 32-wide K tile held in shared memory: MT row tiles through
+// ldmatrix from `x` (row 0 of the tile; rows `x_row` bytes apart).
+template <int MT> DEV void read_x_frags(u32 (&a)[MT][2][4], u32 x, int x_row) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++)
-            ldmatrix_x4(f.a[mt][h], x + (mt * 16 + (lane & 15)) * x_row + h * 32 + (lane >> 4) * 16);
+            ldmatrix_x4(a[mt][h], x + (mt * 16 + (lane & 15)) * x_row + h * 32 + (lane >> 4) * 16);
+}
+
+// A warp's weight fragments of one 32-wide K tile: 16 weight rows from row `cr` of `w` (rows
+// `w_row` bytes apart), as f16x2 codes or f16 values.
+template <int BITS> DEV void read_w_frags(u32 (&b)[2][2][2], const u8* w, int w_row, int cr) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
         const u8* row = w + (cr + nt * 8 + g) * w_row;
         if (BITS == 4) {
             const uint4 v = *(const uint4*)row;
-            f.b[nt][0][0] = q4_pair(v.x, t);
-            f.b[nt][0][1] = q4_pair(v.y, t);
-            f.b[nt][1][0] = q4_pair(v.z, t);
-            f.b[nt][1][1] = q4_pair(v.w, t);
+            b[nt][0][0] = q4_pair(v.x, t);
+            b[nt][0][1] = q4_pair(v.y, t);
+            b[nt][1][0] = q4_pair(v.z, t);
+            b[nt][1][1] = q4_pair(v.w, t);
         } else if (BITS == 2) {
             const uint2 v = *(const uint2*)row;
-            f.b[nt][0][0] = q2_pair(v.x, t);
-            f.b[nt][0][1] = q2_pair(v.x, t + 4);
-            f.b[nt][1][0] = q2_pair(v.y, t);
-            f.b[nt][1][1] = q2_pair(v.y, t + 4);
+            b[nt][0][0] = q2_pair(v.x, t);
+            b[nt][0][1] = q2_pair(v.x, t + 4);
+            b[nt][1][0] = q2_pair(v.y, t);
+            b[nt][1][1] = q2_pair(v.y, t + 4);
         } else {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                f.b[nt][h][0] = *(const u32*)(row + t * 4 + h * 32);
-                f.b[nt][h][1] = *(const u32*)(row + t * 4 + h * 32 + 16);
+                b[nt][h][0] = *(const u32*)(row + t * 4 + h * 32);
+                b[nt][h][1] = *(const u32*)(row + t * 4 + h * 32 + 16);
             }
         }
     }
 }
 
+// Half h (K 16 h .. 16 h + 15) of the same: b[column tile][fragment word].
+template <int BITS> DEV void read_w_half(u32 (&b)[2][2], const u8* w, int w_row, int cr, int h) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+        const u8* row = w + (cr + nt * 8 + g) * w_row;
+        if (BITS == 4) {
+            const uint2 v = *(const uint2*)(row + h * 8);
+            b[nt][0] = q4_pair(v.x, t);
+            b[nt][1] = q4_pair(v.y, t);
+        } else if (BITS == 2) {
+            const u32 v = *(const u32*)(row + h * 4);
+            b[nt][0] = q2_pair(v, t);
+            b[nt][1] = q2_pair(v, t + 4);
+        } else {
+            b[nt][0] = *(const u32*)(row + t * 4 + h * 32);
+            b[nt][1] = *(const u32*)(row + t * 4 + h * 32 + 16);
+        }
+    }
+}
+
+// Both of the above into `f`.
+template <int BITS, int MT>
+DEV void read_frags(SmallFrags<MT>& f, u32 x, int x_row, const u8* w, int w_row, int cr) {
+    read_x_frags<MT>(f.a, x, x_row);
+    read_w_frags<BITS>(f.b, w, w_row, cr);
+}
+
 // The scales and zeros of a warp's weight rows cr .. cr + 15 from the aligned words holding
 // element (nb + row) * G + gi of `sz` and `zeros` (`words`: a word per row, the zeros
 // `zero_at` words after the scales).
-template <int MT>
-DEV void words_scales(SmallFrags<MT>& f, const u32* words, int zero_at, int cr, int nb,
+DEV void words_scales(float2 (&q)[2][2], const u32* words, int zero_at, int cr, int nb,
                       const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int G,
                       int gi) {
     const int t = threadIdx.x & 3;
@@ -342,8 +211,8 @@ DEV void words_scales(SmallFrags<MT>& f, const u32* words, int zero_at, int cr, 
         for (int e = 0; e < 2; e++) {
             const int c = cr + nt * 8 + t * 2 + e;
             const size_t at = (size_t)(nb + c) * G + gi;
-            f.sz[nt][e] = make_float2(f16_of_word(words[c], sz + at),
-                                      f16_of_word(words[zero_at + c], zeros + at));
+            q[nt][e] = make_float2(f16_of_word(words[c], sz + at),
+                                   f16_of_word(words[zero_at + c], zeros + at));
         }
 }
 
@@ -379,21 +248,21 @@ DEV void small_copy_weights(u32 stage, const u8* __restrict__ W, const f16_t* __
             const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k0 * 2 + part * 16;
             cp_async16_w(ws + r * SMALL_X_ROW + part * 16, src, n < N ? 16 : 0, policy);
         }
-        return;
-    }
-    if (gt < cols) {
-        const int n = nb + gt;
-        const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k0 * BITS / 8;
-        if (BITS == 4)
-            cp_async16_w(ws + gt * 16, src, n < N ? 16 : 0, policy);
-        else
-            cp_async8_w(ws + gt * 8, src, n < N ? 8 : 0, policy);
-    }
-    // One word per thread: the scales of the group's rows, then their zeros.
-    if (gt < 2 * cols) {
-        const int r = gt % cols, n = nb + r;
-        const f16_t* p = (gt < cols ? sz : zeros) + (size_t)min(n, N - 1) * G + k0 / group;
-        cp_async_word(ws + cols * small_w_row(BITS) + gt * 4, p, n < N);
+    } else {
+        for (int r = gt; r < cols; r += gthreads) {
+            const int n = nb + r;
+            const u8* src = W + (size_t)min(n, N - 1) * row_bytes + (size_t)k0 * BITS / 8;
+            if (BITS == 4)
+                cp_async16_w(ws + r * 16, src, n < N ? 16 : 0, policy);
+            else
+                cp_async8_w(ws + r * 8, src, n < N ? 8 : 0, policy);
+        }
+        // A word each: the scales of the group's rows, then their zeros.
+        for (int c = gt; c < 2 * cols; c += gthreads) {
+            const int r = c % cols, n = nb + r;
+            const f16_t* p = (c < cols ? sz : zeros) + (size_t)min(n, N - 1) * G + k0 / group;
+            cp_async_word(ws + cols * small_w_row(BITS) + c * 4, p, n < N);
+        }
     }
 }
 
@@ -407,16 +276,31 @@ DEV void small_copy_x(u32 stage, const f16_t* __restrict__ X, int M, int K, int 
     }
 }
 
-// One 32-wide tile's products, as the 64 x 64 kernel takes them: quantized weights into the
+// The start of a ring of SMALL_STAGES stages: the first tiles' weights are requested before the
+// predecessor has finished (they are immutable); each prologue group then adds its tile of X.
+template <typename CopyWeights, typename CopyX>
+DEV void ring_prologue(CopyWeights& copy_weights, CopyX& copy_x) {
+#pragma unroll
+    for (int j = 0; j < SMALL_STAGES - 1; j++) copy_weights(j);
+    kernel_start();
+#pragma unroll
+    for (int j = 0; j < SMALL_STAGES - 1; j++) {
+        copy_x(j);
+        cp_async_commit();
+    }
+}
+
+// One 32-wide tile's products, as the tiled kernel takes them: quantized weights into the
 // unit's T (tq) and S (px), f16 weights straight into the segment's sums (acc).
 template <int BITS, int MT>
 DEV void tile_products(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px)[MT][4],
                        const SmallFrags<MT>& f) {
     const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
+    // Half by half, so that the two MMAs chained on an accumulator are as far apart as can be.
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int h = 0; h < 2; h++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
             for (int nt = 0; nt < 2; nt++)
                 mma16816(BITS == 16 ? acc[mt][nt] : tq[mt][nt], f.a[mt][h], f.b[nt][h]);
@@ -424,7 +308,7 @@ DEV void tile_products(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px
         }
 }
 
-// The end of a unit: acc += s * T + z * S with the unit's scales and zeros (f.sz), as the 64 x 64
+// The end of a unit: acc += s * T + z * S with the unit's scales and zeros (f.sz), as the tiled
 // kernel adds them, and T and S back to zero.
 template <int MT>
 DEV void flush_unit(float (&acc)[MT][2][4], float (&tq)[MT][2][4], float (&px)[MT][4],
@@ -484,16 +368,7 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                          gthreads);
     };
 
-    // The first tiles' weights are requested before the predecessor has finished (they are
-    // immutable); each prologue group then adds its tile of X.
-#pragma unroll
-    for (int j = 0; j < SMALL_STAGES - 1; j++) copy_weights(j);
-    kernel_start();
-#pragma unroll
-    for (int j = 0; j < SMALL_STAGES - 1; j++) {
-        copy_x(j);
-        cp_async_commit();
-    }
+    ring_prologue(copy_weights, copy_x);
 
     float total[SMALL_OUTS] = {}; // outputs tid + 256 i of the block, in (row, column) order
     for (int wave = 0; wave < waves; wave++) {
@@ -517,8 +392,8 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                                      small_w_row(BITS), cg * 16);
                 tile_products<BITS, MT>(acc, tq, px, f);
                 if (BITS != 16 && unit_ends(k0, K, group)) {
-                    words_scales<MT>(f, (const u32*)(w + cols * small_w_row(BITS)), cols,
-                                     cg * 16, nb, sz, zeros, G, k0 / group);
+                    words_scales(f.sz, (const u32*)(w + cols * small_w_row(BITS)), cols,
+                                 cg * 16, nb, sz, zeros, G, k0 / group);
                     flush_unit<MT>(acc, tq, px, f);
                 }
             }
@@ -544,6 +419,190 @@ DEV void gemm_small(const f16_t* __restrict__ X, int M, int K, const u8* __restr
             const size_t at = (size_t)m * N + n;
             out[at] = accumulate ? __fadd_rn(out[at], total[i]) : total[i];
         }
+    }
+}
+
+// Products of many rows (prefill, scoring, long verify passes). A block multiplies 64 WARPS_M
+// rows of X by TILED_COLS weight rows over all of K: WARPS_M x 4 warps, each 64 rows (four MMA
+// tiles) by 32 weight rows (four column tiles). The 32-wide K tiles (X, the codes, the scale and
+// zero words) stream through a ring of SMALL_STAGES stages with cp.async as in the K-group
+// kernel, and each warp turns its codes into f16 fragments in registers. T, S and the segment's
+// sums stay in registers; the sum of the segments before goes to shared memory, each thread to
+// its own slots (no barrier), which leaves the registers for a 64 x 32 warp tile. A tile's MMAs
+// go half by half, so that the two chained on an accumulator are far apart.
+#define TILED_COLS 128
+
+// Dynamic shared memory (src/backend/cuda/kernels.rs `tiled_gemm_smem` computes the same): the
+// ring, then each thread's 64 sums of the segments before.
+template <int BITS, int WARPS_M>
+DEV void gemm_tiled(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
+                    const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
+                    int group, int /* stream_hint: see the copies */, float* __restrict__ out,
+                    int accumulate) {
+    constexpr int MT = 4, NT = 4, WARPS_N = TILED_COLS / (8 * NT);
+    constexpr int THREADS = 32 * WARPS_M * WARPS_N, WARP_ROWS = 16 * MT, WARP_COLS = 8 * NT;
+    constexpr int X_ROWS = WARP_ROWS * WARPS_M;
+    // A thread's 16-byte pieces of X (4 a row), its pieces of codes (f16 rows: 4 a row; else
+    // one a row, where there are fewer rows than threads), and its scale or zero words.
+    constexpr int X_COPIES = 4 * X_ROWS / THREADS;
+    constexpr int W_COPIES = BITS == 16 ? 4 * TILED_COLS / THREADS : (TILED_COLS + THREADS - 1) / THREADS;
+    constexpr int P_COPIES = BITS == 16 ? 0 : (2 * TILED_COLS + THREADS - 1) / THREADS;
+    extern __shared__ __align__(16) u8 smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const int m0 = blockIdx.y * X_ROWS, nb = blockIdx.x * TILED_COLS;
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    const int G = BITS != 16 ? K / group : 1;
+    const int tiles = K / 32;
+    const int stage_bytes = small_stage_bytes(BITS, X_ROWS / 16, TILED_COLS);
+    const int w_row = small_w_row(BITS);
+    const u32 ring = smem_addr(smem);
+    float* before = (float*)(smem + SMALL_STAGES * stage_bytes) + tid; // [MT * NT * 4][THREADS]
+
+    // The copies, worked out once: sources at K = 0 and destinations within a stage; each tile
+    // only adds its offsets. Rows of X past M land as zeros; weight rows past N repeat row N - 1
+    // (their outputs are never stored), so that every weight copy has a constant size. The
+    // weights take no L2 policy here: every block of a column reads them, and the policy's
+    // copies next to a uniform shared base make ptxas 13.0 emit an invalid instruction.
+    const f16_t* x_src[X_COPIES];
+    u32 x_dst[X_COPIES];
+    int x_bytes[X_COPIES];
+#pragma unroll
+    for (int i = 0; i < X_COPIES; i++) {
+        const int c = tid + i * THREADS, r = c >> 2, m = m0 + r;
+        x_src[i] = X + (size_t)min(m, M - 1) * K + (c & 3) * 8;
+        x_dst[i] = r * SMALL_X_ROW + (c & 3) * 16;
+        x_bytes[i] = m < M ? 16 : 0;
+    }
+    const u8* w_src[W_COPIES];
+    u32 w_dst[W_COPIES]; // ~0u: no piece for this thread
+#pragma unroll
+    for (int i = 0; i < W_COPIES; i++) {
+        const int c = tid + i * THREADS, r = BITS == 16 ? c >> 2 : c, n = nb + r;
+        const int part = BITS == 16 ? (c & 3) * 16 : 0;
+        w_src[i] = W + (size_t)min(n, N - 1) * row_bytes + part;
+        w_dst[i] = r < TILED_COLS ? X_ROWS * SMALL_X_ROW + r * w_row + part : ~0u;
+    }
+    const f16_t* p_src[P_COPIES > 0 ? P_COPIES : 1];
+    u32 p_dst[P_COPIES > 0 ? P_COPIES : 1]; // ~0u: no word for this thread
+#pragma unroll
+    for (int i = 0; i < P_COPIES; i++) {
+        const int c = tid + i * THREADS, n = nb + c % TILED_COLS;
+        p_src[i] = (c < TILED_COLS ? sz : zeros) + (size_t)min(n, N - 1) * G;
+        p_dst[i] = c < 2 * TILED_COLS ? X_ROWS * SMALL_X_ROW + TILED_COLS * w_row + c * 4 : ~0u;
+    }
+    // Tiles are copied in order, so the group of the next tile to copy is counted, not divided.
+    int copy_group = 0, copy_group_end = group;
+    auto copy_weights = [&](int j) {
+        if (j >= tiles) return;
+        const int k0 = j * 32;
+        const u32 stage = ring + (j % SMALL_STAGES) * stage_bytes;
+#pragma unroll
+        for (int i = 0; i < W_COPIES; i++) {
+            const u8* src = w_src[i] + (size_t)k0 * BITS / 8;
+            if (w_dst[i] == ~0u) continue;
+            if (BITS == 2)
+                cp_async8(stage + w_dst[i], src);
+            else
+                cp_async16(stage + w_dst[i], src, 16);
+        }
+        if (k0 == copy_group_end) {
+            copy_group++;
+            copy_group_end += group;
+        }
+#pragma unroll
+        for (int i = 0; i < P_COPIES; i++)
+            if (p_dst[i] != ~0u) cp_async_word(stage + p_dst[i], p_src[i] + copy_group, true);
+    };
+    auto copy_x = [&](int j) {
+        if (j >= tiles) return;
+        const u32 stage = ring + (j % SMALL_STAGES) * stage_bytes;
+#pragma unroll
+        for (int i = 0; i < X_COPIES; i++)
+            cp_async16(stage + x_dst[i], x_src[i] + j * 32, x_bytes[i]);
+    };
+    ring_prologue(copy_weights, copy_x);
+
+    const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
+    float acc[MT][NT][4] = {}, tq[MT][NT][4] = {}, px[MT][4] = {};
+    int group_index = 0, group_end = group; // the current tile's quantization group
+    for (int j = 0; j < tiles; j++) {
+        cp_async_wait<SMALL_STAGES - 2>();
+        __syncthreads(); // tile j has landed for every thread; tile j - 1's stage is free
+        copy_weights(j + SMALL_STAGES - 1);
+        copy_x(j + SMALL_STAGES - 1);
+        cp_async_commit();
+        const int s = j % SMALL_STAGES, k0 = j * 32;
+        const u8* w = smem + s * stage_bytes + X_ROWS * SMALL_X_ROW;
+        u32 a[MT][2][4];
+        read_x_frags<MT>(a, ring + s * stage_bytes + wm * WARP_ROWS * SMALL_X_ROW, SMALL_X_ROW);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (BITS != 16) {
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) mma16816(px[mt], a[mt][h], ones);
+            }
+#pragma unroll
+            for (int c = 0; c < NT / 2; c++) {
+                u32 b[2][2];
+                read_w_half<BITS>(b, w, w_row, wn * WARP_COLS + c * 16, h);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+                        mma16816(BITS == 16 ? acc[mt][2 * c + nt] : tq[mt][2 * c + nt], a[mt][h],
+                                 b[nt]);
+            }
+        }
+        if (BITS != 16) {
+            const bool group_ends = k0 + 32 == group_end;
+            if (group_ends || k0 + 32 == K || (k0 + 32) % GEMM_SEGMENT == 0) {
+                const u32* words = (const u32*)(w + TILED_COLS * w_row);
+#pragma unroll
+                for (int c = 0; c < NT / 2; c++) {
+                    float2 q[2][2];
+                    words_scales(q, words, TILED_COLS, wn * WARP_COLS + c * 16, nb, sz, zeros, G,
+                                 group_index);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                            for (int e = 0; e < 2; e++)
+                                add_dequantized(acc[mt][2 * c + nt], tq[mt][2 * c + nt], px[mt], e,
+                                                q[nt][e]);
+                }
+                zero_unit<MT, NT>(tq, px);
+            }
+            if (group_ends) {
+                group_index++;
+                group_end += group;
+            }
+        }
+        const bool last = j + 1 == tiles;
+        if (!last && (k0 + 32) % GEMM_SEGMENT != 0) continue;
+        // A segment ends: its sums join those before it, in order from zero.
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float* slot = before + ((mt * NT + nt) * 4 + e) * THREADS;
+                    const float sum = __fadd_rn(k0 < GEMM_SEGMENT ? 0.0f : *slot, acc[mt][nt][e]);
+                    acc[mt][nt][e] = 0.0f;
+                    if (!last) {
+                        *slot = sum;
+                        continue;
+                    }
+                    const int m = m0 + wm * WARP_ROWS + mt * 16 + g + (e >= 2 ? 8 : 0);
+                    const int n = nb + wn * WARP_COLS + nt * 8 + t * 2 + (e & 1);
+                    if (m < M && n < N) {
+                        const size_t at = (size_t)m * N + n;
+                        out[at] = accumulate ? __fadd_rn(out[at], sum) : sum;
+                    }
+                }
     }
 }
 
@@ -672,17 +731,19 @@ extern "C" __global__ void __launch_bounds__(256)
     out[i] = accumulate ? __fadd_rn(out[i], total) : total;
 }
 
-// grid (ceil(N / 64), ceil(M / 64)), 128 threads. `sz` holds the scales [N][K / group] and
-// `zeros` the zeros (passed apart so that a launch can cover a range of a weight's rows).
-#define GEMM_KERNEL(B)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128)                                              \
-        gemm_b##B(const f16_t* X, int M, int K, const u8* W, const f16_t* sz, const f16_t* zeros,  \
-                  int N, int group, int stream, float* out, int accumulate) {                      \
-        gemm<B>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate);                         \
+// grid (ceil(N / TILED_COLS), ceil(M / (64 WM))), 128 WM threads. `sz` holds the scales
+// [N][K / group] and `zeros` the zeros (passed apart so that a launch can cover a range of a
+// weight's rows).
+#define GEMM_TILED_KERNEL(B, WM)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * WM, 1)                                      \
+        gemm_tiled_b##B##_w##WM(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
+                                const f16_t* zeros, int N, int group, int stream, float* out,      \
+                                int accumulate) {                                                  \
+        gemm_tiled<B, WM>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate);               \
     }
 
 // grid (ceil(N / (16 col_groups)), ceil(M / (16 MT))), 32 SMALL_WARPS threads; the arguments
-// of gemm_b*, then col_groups (1, 2, 4 or 8, with MT * col_groups <= SMALL_OUTS). Two blocks a
+// of gemm_tiled_b*, then col_groups (1, 2, 4 or 8, with MT * col_groups <= SMALL_OUTS). Two blocks a
 // SM where one or two row tiles leave the registers for it.
 #define GEMM_SMALL_KERNEL(B, MT, MIN_BLOCKS)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * SMALL_WARPS, MIN_BLOCKS)                     \
@@ -693,7 +754,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 
 // grid (ceil(N / (16 warps)), segments, ceil(M / (16 MT))), 32 warps threads (warps 4 or 8);
-// the arguments of gemm_b* up to `stream`, then the segments' partial sums.
+// the arguments of gemm_tiled_b* up to `stream`, then the segments' partial sums.
 #define GEMM_SPLIT_KERNEL(B, MT)                                                                   \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         gemm_split_b##B##_m##MT(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
@@ -701,9 +762,12 @@ extern "C" __global__ void __launch_bounds__(256)
         gemm_split<B, MT>(X, M, K, W, sz, zeros, N, group, stream, parts);                         \
     }
 
-GEMM_KERNEL(16)
-GEMM_KERNEL(4)
-GEMM_KERNEL(2)
+GEMM_TILED_KERNEL(16, 1)
+GEMM_TILED_KERNEL(16, 2)
+GEMM_TILED_KERNEL(4, 1)
+GEMM_TILED_KERNEL(4, 2)
+GEMM_TILED_KERNEL(2, 1)
+GEMM_TILED_KERNEL(2, 2)
 GEMM_SMALL_KERNEL(16, 1, 2)
 GEMM_SMALL_KERNEL(16, 2, 2)
 GEMM_SMALL_KERNEL(16, 4, 1)

@@ -96,18 +96,83 @@ pub(crate) const SMALL_GEMM_THREADS: u32 = 256;
 pub(crate) const SMALL_GEMM_COL_GROUPS: [usize; 4] = [8, 4, 2, 1];
 pub(crate) const SMALL_GEMM_OUTS: usize = 8;
 
-/// Dynamic shared memory of `gemm_small` (cuda/gemm.cu `small_stage_bytes`): each K group's
-/// ring of 4 stages (X rows of 80 bytes, the codes of the block's weight rows, a scale word
-/// and a zero word per row), then one wave's partial sums.
-pub(crate) fn small_gemm_smem(bits: u32, tiles: usize, col_groups: usize) -> usize {
-    const STAGES: usize = 4;
+/// Bytes of one stage of the staged GEMM kernels (cuda/gemm.cu `small_stage_bytes`): `rows` X
+/// rows of 80 bytes (32 halves and padding), the codes of `cols` weight rows (f16 rows padded
+/// like X), then a scale word and a zero word per weight row.
+fn gemm_stage_bytes(bits: u32, rows: usize, cols: usize) -> usize {
     const X_ROW: usize = 80;
-    let (rows, cols) = (MMA_ROWS * tiles, 16 * col_groups);
-    let k_groups = 8 / col_groups;
     let w_row = if bits == 16 { X_ROW } else { bits as usize * 4 };
     let params = if bits == 16 { 0 } else { cols * 8 };
-    let stage = rows * X_ROW + cols * w_row + params;
-    k_groups * STAGES * stage + k_groups * rows * cols * 4
+    rows * X_ROW + cols * w_row + params
+}
+
+/// Stages in the rings of the staged GEMM kernels (cuda/gemm.cu `SMALL_STAGES`).
+const GEMM_STAGES: usize = 4;
+
+/// Dynamic shared memory of `gemm_small`: each K group's ring of stages, then one wave's
+/// partial sums.
+pub(crate) fn small_gemm_smem(bits: u32, tiles: usize, col_groups: usize) -> usize {
+    let (rows, cols) = (MMA_ROWS * tiles, 16 * col_groups);
+    let k_groups = 8 / col_groups;
+    k_groups * GEMM_STAGES * gemm_stage_bytes(bits, rows, cols) + k_groups * rows * cols * 4
+}
+
+/// `gemm_tiled`'s rows of X per block, in index order (64 rows a warp along them, four warps
+/// along its 128 weight rows).
+pub(crate) const TILED_GEMM_ROWS: [usize; 2] = [64, 128];
+pub(crate) const TILED_GEMM_COLS: usize = 128;
+
+/// Dynamic shared memory of `gemm_tiled` for blocks of `rows` rows: its ring of stages, then each
+/// thread's 64 sums of the segments before the current one.
+pub(crate) fn tiled_gemm_smem(bits: u32, rows: usize) -> usize {
+    GEMM_STAGES * gemm_stage_bytes(bits, rows, TILED_GEMM_COLS) + tiled_gemm_threads(rows) * 64 * 4
+}
+
+fn tiled_gemm_threads(rows: usize) -> usize {
+    32 * (rows / 64) * 4
+}
+
+/// How `gemm_tiled` covers a product of many rows: blocks of 128 rows of X where they give
+/// every SM a block, else of 64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TiledGemmPlan {
+    /// Index into [`TILED_GEMM_ROWS`].
+    pub rows_index: usize,
+    pub threads: u32,
+    pub smem: usize,
+    grid: (u32, u32, u32),
+}
+
+impl TiledGemmPlan {
+    /// The plan, or `None` for products of at most one MMA tile of rows, or whose blocks of 64
+    /// rows would leave more than half of the `sms` SMs idle (the K-group kernel takes those),
+    /// or when no block fits in `smem_limit`.
+    pub fn new(bits: u32, rows: usize, n: usize, sms: usize, smem_limit: usize) -> Option<Self> {
+        if rows <= MMA_ROWS {
+            return None;
+        }
+        let blocks = |r: usize| n.div_ceil(TILED_GEMM_COLS) * rows.div_ceil(r);
+        let fits = |&i: &usize| tiled_gemm_smem(bits, TILED_GEMM_ROWS[i]) <= smem_limit;
+        let i = (0..TILED_GEMM_ROWS.len())
+            .rev()
+            .filter(fits)
+            .find(|&i| blocks(TILED_GEMM_ROWS[i]) >= sms || i == 0)?;
+        let r = TILED_GEMM_ROWS[i];
+        (2 * blocks(r) >= sms).then(|| TiledGemmPlan {
+            rows_index: i,
+            threads: tiled_gemm_threads(r) as u32,
+            smem: tiled_gemm_smem(bits, r),
+            grid: (
+                n.div_ceil(TILED_GEMM_COLS) as u32,
+                rows.div_ceil(r) as u32,
+                1,
+            ),
+        })
+    }
+
+    pub fn grid(&self) -> (u32, u32, u32) {
+        self.grid
+    }
 }
 
 /// How `gemm_small` covers a product of `rows` rows and `n` outputs per row: its row tiles per
@@ -322,8 +387,8 @@ pub(crate) struct Kernels {
     /// [`GEMV_NORM_CHUNKS`] 8-value chunks per thread.
     pub gemv_norm: [[sys::CUfunction; 2]; 3],
     pub gemv_gateup_norm: [[sys::CUfunction; 2]; 3],
-    /// `[bits index]`
-    pub gemm: [sys::CUfunction; 3],
+    /// `[bits index][TILED_GEMM_ROWS index]`: products of many rows.
+    pub gemm_tiled: [[sys::CUfunction; 2]; 3],
     /// `[bits index][tiles index]`: products of few rows, [`SMALL_GEMM_TILES`] MMA tiles of
     /// rows per block.
     pub gemm_small: [[sys::CUfunction; 3]; 3],
@@ -363,6 +428,7 @@ impl Kernels {
             .flatten();
         let norms = [&self.norm_rows, &self.norm_state_rows];
         let products = self.gemm_small.iter().chain(&self.gemm_split).flatten();
+        let products = products.chain(self.gemm_tiled.iter().flatten());
         let staged = self.flash_attention.iter().chain(products);
         let others = norms.into_iter().chain(staged.clone());
         for f in all.chain(norm).chain(others) {
@@ -886,10 +952,12 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
-    let by_bits_one = |program: &dyn Fn(usize) -> usize, prefix: &str| {
-        let mut out = [std::ptr::null_mut(); 3];
+    let by_rows = || -> Result<[[sys::CUfunction; 2]; 3]> {
+        let mut out = [[std::ptr::null_mut(); 2]; 3];
         for (i, bits) in BITS.iter().enumerate() {
-            out[i] = get(program(i), &format!("{prefix}_b{bits}"))?;
+            for (j, rows) in TILED_GEMM_ROWS.iter().enumerate() {
+                out[i][j] = get(GEMM, &format!("gemm_tiled_b{bits}_w{}", rows / 64))?;
+            }
         }
         Ok(out)
     };
@@ -913,7 +981,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemv_gateup: by_bits("gemv_gateup")?,
             gemv_norm: by_chunks("gemv_norm")?,
             gemv_gateup_norm: by_chunks("gemv_gateup_norm")?,
-            gemm: by_bits_one(&|_| GEMM, "gemm")?,
+            gemm_tiled: by_rows()?,
             gemm_small: by_tiles("gemm_small")?,
             gemm_split: by_tiles("gemm_split")?,
             gemm_segments_sum: get(GEMM, "gemm_segments_sum")?,
@@ -1039,6 +1107,46 @@ mod tests {
         assert_eq!(
             split_gemm_smem(4, 2, 8, 32),
             32 * 528 + 128 * 144 + 2 * 8 * 128 * 4
+        );
+    }
+
+    #[test]
+    fn tiled_gemm_plan_takes_128_rows_where_they_fill_the_sms() {
+        // 2048 rows by 2048 outputs: 16 x 16 blocks of 128 rows.
+        let p = TiledGemmPlan::new(4, 2048, 2048, SMS, SMEM).unwrap();
+        assert_eq!((TILED_GEMM_ROWS[p.rows_index], p.threads), (128, 256));
+        assert_eq!(p.grid(), (16, 16, 1));
+        // 512 rows: 16 x 4 blocks of 128 rows leave SMs idle; 16 x 8 of 64 rows do not.
+        let p = TiledGemmPlan::new(4, 512, 2048, SMS, SMEM).unwrap();
+        assert_eq!((TILED_GEMM_ROWS[p.rows_index], p.threads), (64, 128));
+        assert_eq!(p.grid(), (16, 8, 1));
+        // 256 rows: 16 x 4 blocks of 64 rows leave more than half of the SMs idle, so the
+        // K-group kernel takes them, as it takes a single MMA tile of rows.
+        assert_eq!(TiledGemmPlan::new(4, 256, 2048, SMS, SMEM), None);
+        assert_eq!(TiledGemmPlan::new(4, 16, 1 << 20, SMS, SMEM), None);
+    }
+
+    #[test]
+    fn tiled_gemm_plan_fits_shared_memory() {
+        for bits in BITS {
+            for rows in [17, 300, 4096] {
+                for limit in [SMEM, 163 * 1024, 99 * 1024] {
+                    if let Some(p) = TiledGemmPlan::new(bits, rows, 65536, SMS, limit) {
+                        assert!(p.smem <= limit, "{bits} bits, {rows} rows: {p:?}");
+                    }
+                }
+            }
+        }
+        // 128 rows of f16 weights: four stages of 128 X rows and 128 weight rows of 80
+        // bytes, then 64 sums for each of 256 threads.
+        assert_eq!(
+            tiled_gemm_smem(16, 128),
+            4 * (128 * 80 + 128 * 80) + 256 * 64 * 4
+        );
+        // INT4, 64 rows: 16-byte code rows and a scale and a zero word per weight row.
+        assert_eq!(
+            tiled_gemm_smem(4, 64),
+            4 * (64 * 80 + 128 * 16 + 128 * 8) + 128 * 64 * 4
         );
     }
 

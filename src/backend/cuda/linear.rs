@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use super::blas::Output;
 use super::driver::{Arg, DevBuf};
-use super::kernels::{self, ProductShape, SmallGemmPlan, SplitGemmPlan};
+use super::kernels::{self, ProductShape, SmallGemmPlan, SplitGemmPlan, TiledGemmPlan};
 use super::{blocks_for, CudaBackend};
 use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual};
 use crate::error::{Error, Result};
@@ -231,9 +231,10 @@ impl CudaBackend {
 
     /// `out[r] (+)= x[r] · w[range]ᵀ` without the GEMV path (`out` rows are `range.len()` wide):
     /// the tensor-core GEMM (a block per segment of K where the partial sums fit in the
-    /// scratch; else 64 × 64 tiles where they fill the GPU; otherwise, and for at most one MMA
-    /// tile of rows, blocks of 16 weight rows whose warps take K in parallel segments), or the
-    /// generic kernel for shapes it does not take. Each output is accumulated in the same order
+    /// scratch; else tiles of 64 or 128 rows by 128 weight rows where they fill the GPU;
+    /// otherwise, and for at most one MMA tile of rows, blocks of 16 weight rows whose warps take
+    /// K in parallel segments), or the generic kernel for shapes it does not take. Each output
+    /// is accumulated in the same order
     /// whatever `rows` is, in every kernel, so a row's result does not depend on the rows
     /// computed with it.
     pub(super) fn product(
@@ -285,8 +286,8 @@ impl CudaBackend {
             Arg::P(out),
             acc,
         ];
-        // Split by segment wherever the partial sums fit in the scratch; otherwise 64 x 64
-        // tiles where they fill the GPU, blocks of 16 weight rows where they do not.
+        // Split by segment wherever the partial sums fit in the scratch; otherwise block tiles
+        // over all of K where they fill the GPU, blocks of 16 weight rows where they do not.
         let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
         let shape = ProductShape {
             bits: w.bits,
@@ -299,22 +300,27 @@ impl CudaBackend {
         if let Some(plan) = SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
             return self.split_product(&args, rows * n, plan, w, out, accumulate);
         }
-        let large_tiles_fill = n.div_ceil(64) * rows.div_ceil(64) >= self.gpu.sms;
-        if rows <= kernels::MMA_ROWS || !large_tiles_fill {
-            let plan = SmallGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit);
-            let mut args = args.to_vec();
-            args.push(Arg::usize(plan.col_groups));
+        if let Some(plan) = TiledGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit) {
             return self.run(
-                "gemm_small",
-                k.gemm_small[w.bits_index()][plan.tiles_index],
+                "gemm_tiled",
+                k.gemm_tiled[w.bits_index()][plan.rows_index],
                 plan.grid(),
-                kernels::SMALL_GEMM_THREADS,
+                plan.threads,
                 plan.smem,
                 &args,
             );
         }
-        let grid = (n.div_ceil(64) as u32, rows.div_ceil(64) as u32, 1);
-        self.run("gemm", k.gemm[w.bits_index()], grid, 128, 0, &args);
+        let plan = SmallGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit);
+        let mut args = args.to_vec();
+        args.push(Arg::usize(plan.col_groups));
+        self.run(
+            "gemm_small",
+            k.gemm_small[w.bits_index()][plan.tiles_index],
+            plan.grid(),
+            kernels::SMALL_GEMM_THREADS,
+            plan.smem,
+            &args,
+        )
     }
 
     /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into the
