@@ -305,9 +305,8 @@ fn cuda_linear_matches_cpu() {
                     );
                 }
             }
-            // A row's product is the same whichever kernel computed it: runs of 5 to 16 rows
-            // (the small-M kernel) against the same rows of a 130-row product (the 64 x 64
-            // tiles), bit for bit.
+            // A row's product is the same whatever rows are computed with it: runs of 5 to 16
+            // rows against the same rows of a 130-row product, bit for bit.
             let x = randn(&mut rng, 130 * k, 1.0);
             let zero = vec![0f32; 130 * n];
             let all = linear_on(&gpu, &w, &x, 0, 130, &zero, false);
@@ -329,11 +328,11 @@ fn cuda_linear_matches_cpu() {
 }
 
 /// A row's product is the same bits whatever rows are computed with it, across the three GEMM
-/// kernels (64 x 64 tiles where they fill the GPU: the 300-row products here; blocks per
-/// segment where their partial sums fit in the backend's scratch: the fewer rows of the wide
-/// products and every run of the narrow ones; blocks of 16 weight rows otherwise) and every
-/// row-tile count of the small ones (1, 2 and 4 MMA tiles per block), for K of one segment,
-/// several, and more segments than one block's warps take in a wave.
+/// kernels (block tiles over all of K where they fill the GPU: the 300-row products here;
+/// blocks per segment where their partial sums fit in the backend's scratch: the fewer rows of
+/// the wide products and every run of the narrow ones; blocks of 16 weight rows otherwise) and
+/// every row-tile count of the small ones (1, 2 and 4 MMA tiles per block), for K of one
+/// segment, several, and more segments than one block's warps take in a wave.
 #[test]
 fn cuda_product_rows_do_not_depend_on_the_rows_with_them() {
     if !cuda_or_skip("cuda_product_rows_do_not_depend_on_the_rows_with_them") {
