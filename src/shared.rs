@@ -26,6 +26,8 @@ pub(crate) enum OnDevice {
     Cuda(Loaded<CudaBackend>),
 }
 
+// One per session, so the difference in the variants' sizes costs nothing worth an indirection.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum SessionState {
     Cpu(Buffers<CpuBackend>),
     Cuda(CudaSession),

@@ -1976,11 +1976,13 @@ fn cuda_parity_kv_modes() {
 }
 
 /// Chunked prefill against single shot on the GPU, in every KV mode: logits after the prompt
-/// and during decode, and the greedy tokens. Bit-identical in every mode but age when each chunk
-/// has more than 4 rows: such steps take the tensor-core GEMM and unsplit attention, whose
-/// per-row results do not depend on how many rows a step has (smaller steps take the GEMV and
-/// split attention, which sum in another order). In age mode, entries that crossed a tier
-/// boundary between chunks were quantized twice; the envelope is derived in tests/kv.rs.
+/// and during decode, and the greedy tokens. Bit-identical in every mode but age, whatever the
+/// chunks: every step of the prompt takes the kernels of the whole prompt's rows (the
+/// tensor-core GEMM and unsplit attention, whose per-row results do not depend on how many rows
+/// a step has), also chunks of 1 to 4 rows, which alone would take the GEMV and split attention
+/// (chunks of 7, 66 and 199 leave tails of 4, 2 and 1 rows; chunks of 3 are all that small). In
+/// age mode, entries that crossed a tier boundary between chunks were quantized twice; the
+/// envelope is derived in tests/kv.rs.
 #[test]
 fn cuda_chunked_prefill_matches_single_shot() {
     if !cuda_or_skip("cuda_chunked_prefill_matches_single_shot") {
@@ -2005,7 +2007,7 @@ fn cuda_chunked_prefill_matches_single_shot() {
     for mode in MODES {
         let mode: KvMode = mode.parse().unwrap();
         let (single, single_tokens) = run(mode, 0);
-        for chunk in [8, 40] {
+        for chunk in [8, 40, 7, 66, 199, 3] {
             let (chunked, tokens) = run(mode, chunk);
             let e = worst(&chunked, &single);
             if matches!(mode, KvMode::Age(_)) {
@@ -2123,9 +2125,10 @@ fn cuda_fp16_body_matches_cpu() {
     finish("cuda_fp16_body_matches_cpu", failures);
 }
 
-/// With the FP16 body cache, chunked prefill stays bit-identical to single shot (chunks of more
-/// than 4 rows take cuBLAS, whose result for a row must not depend on the rows beside it), in
-/// the fp16 and fp16-h KV modes, logits and greedy tokens.
+/// With the FP16 body cache, chunked prefill stays bit-identical to single shot (every step of
+/// the prompt takes cuBLAS, whose result for a row must not depend on the rows beside it; chunks
+/// of 129, 7 and 519 leave tails of 4, 2 and 1 rows), in the fp16 and fp16-h KV modes, logits and
+/// greedy tokens.
 #[test]
 fn cuda_fp16_body_chunked_prefill_matches_single_shot() {
     if !cuda_or_skip("cuda_fp16_body_chunked_prefill_matches_single_shot") {
@@ -2147,7 +2150,7 @@ fn cuda_fp16_body_chunked_prefill_matches_single_shot() {
             prefill_and_decode(&session, &weights, layout, chunk, &prompt, 3, 8)
         };
         let (single, single_tokens) = run(0);
-        for chunk in [8, 40, 130] {
+        for chunk in [8, 40, 130, 129, 7, 519] {
             let (chunked, tokens) = run(chunk);
             let e = chunked
                 .iter()

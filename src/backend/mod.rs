@@ -217,6 +217,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
     fn kv_bytes(&self, kv: &Self::KvStorage) -> usize;
 
+    /// The rows of the call whose steps follow (a prompt that `prefill_chunk` or a tier change
+    /// cuts into steps), or 0 once it is done; returns the value it replaces. A backend whose
+    /// kernels depend on a step's row count picks each of these steps' kernels as for one step
+    /// of all the call's rows, so a row's results do not depend on where its call was cut.
+    /// Nothing by default.
+    fn set_call_rows(&self, _rows: usize) -> usize {
+        0
+    }
+
     /// Stage the token ids, start position and choice of the next step, and the KV cache's
     /// age-tier bounds for it.
     fn set_step(&self, step: &mut Self::Step, input: StepInput, tiers: TierBounds) -> Result<()>;

@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::kv::Application;
 use crate::model::config::ModelConfig;
 use crate::model::forward::{
-    forward, restore_rows, run, save_rows, stage, step_rows, Buffers, Span,
+    forward, restore_rows, run, save_rows, stage, step_rows, Buffers, CallRows, Span,
 };
 use crate::model::layout::Stage;
 use crate::model::weights::Weights;
@@ -396,6 +396,7 @@ pub(crate) fn prompt_steps<B: Backend>(
 ) -> Result<Decided> {
     let mut saved = backend.alloc_float(buf.max_rows * w.config.dim)?;
     let every_step_exits = every_step_exits || matches!(exit.decision, Decision::Criterion(..));
+    let _call = CallRows::new(backend, tokens.len());
     let mut offset = 0;
     let mut decided = Decided::default();
     while offset < tokens.len() {

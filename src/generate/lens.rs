@@ -13,7 +13,8 @@ use super::sampling::argmax;
 use crate::backend::{Backend, Choice, StepInput};
 use crate::error::Result;
 use crate::model::forward::{
-    final_norm, forward, logits, restore_rows, run, save_rows, stage, step_rows, Buffers, Span,
+    final_norm, forward, logits, restore_rows, run, save_rows, stage, step_rows, Buffers, CallRows,
+    Span,
 };
 use crate::model::weights::Weights;
 
@@ -30,6 +31,7 @@ pub fn logit_lens<B: Backend>(
 ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
     let (dim, vocab) = (w.config.dim, w.config.vocab_size);
     // Positions before the last step run whole; the last step is read out iteration by iteration.
+    let _call = CallRows::new(backend, tokens.len());
     let mut start = 0;
     let rows = loop {
         let rows = step_rows(buf, start, tokens.len() - start);

@@ -17,8 +17,8 @@ use crate::backend::{Backend, Choice, Chosen, StepInput};
 use crate::ctx_tier::CtxTierStats;
 use crate::error::{Error, Result};
 use crate::model::forward::{
-    choose, chosen, decode_step, final_norm, forward, logits, measure, step_rows, Buffers, Decode,
-    LOGIT_ROWS,
+    choose, chosen, decode_step, final_norm, forward, logits, measure, step_rows, Buffers,
+    CallRows, Decode, LOGIT_ROWS,
 };
 use crate::model::weights::Weights;
 use crate::telemetry::beta_monitor::{BetaMonSummary, EntropyLog, Monitoring};
@@ -229,6 +229,7 @@ pub(crate) fn steps<B: Backend>(
     cancel: &AtomicBool,
     mut after: impl FnMut(&mut Buffers<B>, usize, usize) -> Result<()>,
 ) -> Result<usize> {
+    let _call = CallRows::new(backend, tokens.len());
     let mut offset = 0;
     let mut rows = 0;
     while offset < tokens.len() {

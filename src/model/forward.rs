@@ -738,6 +738,27 @@ impl Decode {
     }
 }
 
+/// The steps of one call of `rows` rows, from creation until dropped, when the call before it
+/// resumes ([`Backend::set_call_rows`]): every loop that cuts a prompt into steps holds one, and
+/// so does the head's read-out of some rows of a step.
+pub struct CallRows<'a, B: Backend> {
+    backend: &'a B,
+    outer: usize,
+}
+
+impl<'a, B: Backend> CallRows<'a, B> {
+    pub fn new(backend: &'a B, rows: usize) -> Self {
+        let outer = backend.set_call_rows(rows);
+        CallRows { backend, outer }
+    }
+}
+
+impl<B: Backend> Drop for CallRows<'_, B> {
+    fn drop(&mut self) {
+        self.backend.set_call_rows(self.outer);
+    }
+}
+
 /// One decode step: feed `input` (one token); with `decode.head`, leave its logits in
 /// `buf.logits` row 0 and choose the next token as `input.choice` says (read it with
 /// [`chosen_token`]).
@@ -1027,6 +1048,8 @@ pub fn logits<B: Backend>(
     n: usize,
 ) {
     debug_assert!(n <= buf.logit_rows);
+    // The rows read out are a call of their own, whatever call their step belongs to.
+    let _readout = CallRows::new(backend, n);
     match &w.head {
         Head::Untied(head) => backend.linear(&buf.h, first_row, n, head, &mut buf.logits, false),
         Head::Tied => backend.linear(&buf.h, first_row, n, &w.embed, &mut buf.logits, false),

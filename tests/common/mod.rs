@@ -175,7 +175,8 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
 ) -> (Vec<Vec<f32>>, Vec<u32>) {
     use tinyloop::backend::{Choice, StepInput};
     use tinyloop::model::forward::{
-        choose, chosen_token, decode_step, final_norm, forward, logits, step_rows, Buffers, Decode,
+        choose, chosen_token, decode_step, final_norm, forward, logits, step_rows, Buffers,
+        CallRows, Decode,
     };
     let rows = if chunk == 0 { prompt.len() } else { chunk };
     let mut buf = Buffers::new(
@@ -189,7 +190,9 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
     .unwrap();
     let never = std::sync::atomic::AtomicBool::new(false);
     let vocab = weights.config.vocab_size;
-    // Steps as the library cuts them: at most `rows`, never across an age-tier change.
+    // Steps as the library cuts them: at most `rows`, never across an age-tier change, each
+    // computed as part of the whole prompt.
+    let call = CallRows::new(backend, prompt.len());
     let mut start = 0;
     let mut last = 0;
     while start < prompt.len() {
@@ -202,6 +205,7 @@ pub fn prefill_and_decode<B: tinyloop::backend::Backend>(
         forward(backend, weights, &mut buf, input, loops, &never).unwrap();
         (start, last) = (start + n, n - 1);
     }
+    drop(call);
     final_norm(backend, weights, &mut buf, last + 1);
     logits(backend, weights, &mut buf, last, 1);
     choose(backend, weights, &mut buf);

@@ -289,7 +289,8 @@ impl CudaBackend {
         qkv_weight: &CudaLinear,
         out: &mut DevBuf,
     ) {
-        if rows == 1 && kv.layout.mode == KvMode::Fp16 && self.invariant.is_none() {
+        if self.kernel_rows(rows) == 1 && kv.layout.mode == KvMode::Fp16 && self.invariant.is_none()
+        {
             let f16 = self.f16_entries(kv, at);
             return self.attend(qkv, step, rows, kv, &f16, out, Some(rope));
         }
@@ -407,8 +408,8 @@ impl CudaBackend {
     }
 
     /// Position splits per (row, head) of a launch, and the span of each (0: the positions cut in
-    /// `splits`). Decode rows get enough blocks to fill the GPU, from shapes only, never from the
-    /// position, so a captured graph stays valid. An engine's backend cuts every row in slices of
+    /// `splits`). Decode rows get enough blocks to fill the GPU, from shapes only (the rows of the
+    /// step's call, not of the step), never from the position, so a captured graph stays valid. An engine's backend cuts every row in slices of
     /// its fixed span, as many as the step's longest row needs ([`super::RowInvariant`]).
     fn splits(
         &self,
@@ -420,9 +421,10 @@ impl CudaBackend {
         if let Some(invariant) = self.invariant {
             return (self.pooled_splits(step), invariant.span);
         }
-        if rows <= SPLIT_ROWS && self.split_floats > 0 {
+        let kernel_rows = self.kernel_rows(rows);
+        if kernel_rows <= SPLIT_ROWS && self.split_floats > 0 {
             let splits = (2 * self.gpu.sms)
-                .div_ceil(rows * n_heads)
+                .div_ceil(kernel_rows * n_heads)
                 .min(MAX_SPLITS)
                 .min(capacity.div_ceil(32))
                 .max(1);

@@ -51,7 +51,7 @@ impl CudaBackend {
     }
 
     /// The kernel variant (an index into `kernels::FLASH_HD`) that attends this step of `rows`
-    /// rows, or None when the step is not one it takes: one row, another KV mode, an
+    /// rows, or None when the step is not one it takes: one row (of a one-row call), another KV mode, an
     /// uninstantiated head dimension, cache rows not 16-byte aligned, a device with too little
     /// shared memory per block, or more blocks than a grid holds. rope_kv asks too: Q is rotated
     /// by the flash kernel when it takes the step, by rope_kv otherwise.
@@ -72,7 +72,7 @@ impl CudaBackend {
         let fits = smem_bytes(hd) <= self.gpu.smem_optin.saturating_sub(2048);
         let blocks_fit = flash_blocks(heads.n_heads, rows) <= i32::MAX as usize;
         let one_sequence = step.pooled.is_none();
-        let takes = rows >= 2
+        let takes = self.kernel_rows(rows) >= 2
             && one_sequence
             && kv.layout.mode == KvMode::Fp16
             && aligned

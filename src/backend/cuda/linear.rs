@@ -372,7 +372,9 @@ impl CudaBackend {
         rows: usize,
         w: &CudaLinear,
     ) -> Option<usize> {
-        let fits = rows == 1 && norm.weight.len == w.cols && self.gemv_rows(w, 1).is_some();
+        let fits = self.kernel_rows(rows) == 1
+            && norm.weight.len == w.cols
+            && self.gemv_rows(w, 1).is_some();
         norm_chunks(w.cols).filter(|_| fits)
     }
 
@@ -382,7 +384,9 @@ impl CudaBackend {
         if self.invariant.is_some() {
             return None;
         }
-        let ri = kernels::GEMV_ROWS.iter().position(|&r| r >= rows)?;
+        let ri = kernels::GEMV_ROWS
+            .iter()
+            .position(|&r| r >= self.kernel_rows(rows))?;
         let limit = self.gpu.smem_optin.saturating_sub(2048);
         (w.fast && w.gemv_smem(kernels::GEMV_ROWS[ri]) <= limit).then_some(ri)
     }

@@ -34,7 +34,7 @@ mod linear;
 mod step;
 mod tuning;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaStream};
@@ -111,6 +111,8 @@ pub struct CudaBackend {
     partial_offset: usize,
     /// An engine's backend: rows of a step are computed alike whatever runs with them.
     invariant: Option<RowInvariant>,
+    /// The rows of the call whose steps run now ([`Backend::set_call_rows`]; 0: none).
+    call_rows: AtomicUsize,
     /// The first launch failure since the last call that returned a `Result`.
     error: Mutex<Option<String>>,
     tuning: Tuning,
@@ -201,11 +203,18 @@ impl CudaBackend {
             attention_heads: None,
             partial_offset,
             invariant: None,
+            call_rows: AtomicUsize::new(0),
             error: Mutex::new(None),
             tuning,
             overlap,
             load,
         })
+    }
+
+    /// The rows whose kernels a step of `rows` rows takes: those of its whole call when that has
+    /// more ([`Backend::set_call_rows`]).
+    fn kernel_rows(&self, rows: usize) -> usize {
+        rows.max(self.call_rows.load(Ordering::Relaxed))
     }
 
     /// The device address of the per-segment sums of split products, and how many floats fit.
@@ -625,6 +634,10 @@ impl Backend for CudaBackend {
 
     fn kv_bytes(&self, kv: &CudaKv) -> usize {
         kv.bytes()
+    }
+
+    fn set_call_rows(&self, rows: usize) -> usize {
+        self.call_rows.swap(rows, Ordering::Relaxed)
     }
 
     fn set_step(&self, step: &mut CudaStep, input: StepInput, tiers: TierBounds) -> Result<()> {
