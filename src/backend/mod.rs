@@ -218,7 +218,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn kv_bytes(&self, kv: &Self::KvStorage) -> usize;
 
     /// The rows of the call whose steps follow (a prompt that `prefill_chunk` or a tier change
-    /// cuts into steps), or 0 once it is done; returns the value it replaces. A backend whose
+    /// cuts into steps; 0: none); returns the value it replaces, set again when the call ends
+    /// ([`crate::model::forward::CallRows`]). A backend whose
     /// kernels depend on a step's row count picks each of these steps' kernels as for one step
     /// of all the call's rows, so a row's results do not depend on where its call was cut.
     /// Nothing by default.

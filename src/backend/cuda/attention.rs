@@ -409,8 +409,9 @@ impl CudaBackend {
 
     /// Position splits per (row, head) of a launch, and the span of each (0: the positions cut in
     /// `splits`). Decode rows get enough blocks to fill the GPU, from shapes only (the rows of the
-    /// step's call, not of the step), never from the position, so a captured graph stays valid. An engine's backend cuts every row in slices of
-    /// its fixed span, as many as the step's longest row needs ([`super::RowInvariant`]).
+    /// step's call, not of the step), never from the position, so a captured graph stays valid.
+    /// An engine's backend cuts every row in slices of its fixed span, as many as the step's
+    /// longest row needs ([`super::RowInvariant`]).
     fn splits(
         &self,
         step: &CudaStep,

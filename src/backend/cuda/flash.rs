@@ -51,9 +51,9 @@ impl CudaBackend {
     }
 
     /// The kernel variant (an index into `kernels::FLASH_HD`) that attends this step of `rows`
-    /// rows, or None when the step is not one it takes: one row (of a one-row call), another KV mode, an
-    /// uninstantiated head dimension, cache rows not 16-byte aligned, a device with too little
-    /// shared memory per block, or more blocks than a grid holds. rope_kv asks too: Q is rotated
+    /// rows, or None when the step is not one it takes: one row (of a one-row call), another KV
+    /// mode, an uninstantiated head dimension, cache rows not 16-byte aligned, a device with too
+    /// little shared memory per block, or more blocks than a grid holds. rope_kv asks too: Q is rotated
     /// by the flash kernel when it takes the step, by rope_kv otherwise.
     pub(super) fn flash_variant(
         &self,

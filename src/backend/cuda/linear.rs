@@ -234,9 +234,8 @@ impl CudaBackend {
     /// scratch; else tiles of 64 or 128 rows by 128 weight rows where they fill the GPU;
     /// otherwise, and for at most one MMA tile of rows, blocks of 16 weight rows whose warps take
     /// K in parallel segments), or the generic kernel for shapes it does not take. Each output
-    /// is accumulated in the same order
-    /// whatever `rows` is, in every kernel, so a row's result does not depend on the rows
-    /// computed with it.
+    /// is accumulated in the same order whatever `rows` is, in every kernel, so a row's result
+    /// does not depend on the rows computed with it.
     pub(super) fn product(
         &self,
         x: u64,
