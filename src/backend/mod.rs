@@ -219,10 +219,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// The rows of the call whose steps follow (a prompt that `prefill_chunk` or a tier change
     /// cuts into steps; 0: none); returns the value it replaces, set again when the call ends
-    /// ([`crate::model::forward::CallRows`]). A backend whose
-    /// kernels depend on a step's row count picks each of these steps' kernels as for one step
-    /// of all the call's rows, so a row's results do not depend on where its call was cut.
-    /// Nothing by default.
+    /// ([`crate::model::forward::CallRows`]). A backend whose kernels depend on a step's row
+    /// count picks each of these steps' kernels as for one step of all the call's rows, so a
+    /// row's results do not depend on where its call was cut. Nothing by default.
     fn set_call_rows(&self, _rows: usize) -> usize {
         0
     }
