@@ -251,6 +251,11 @@ fn command_lines() -> Vec<Case> {
                     opt("--repeats", &["--repeats"]),
                     opt("--prefix-cache", &["--prefix-cache"]),
                     opt("--resume-from", &["--resume-from"]),
+                    with(
+                        "--prompt-offset",
+                        &["--prompt-offset", "--prompt-file"],
+                        &["--prompt-file", "tests/data/heldout.txt"],
+                    ),
                 ],
                 &SAMPLING,
                 &SPECULATION,
@@ -264,7 +269,15 @@ fn command_lines() -> Vec<Case> {
         CommandCase {
             head: vec![model.clone(), "requantize".into()],
             base: vec![("--out", out())],
-            options: vec![opt("--loop-body-bits", &["--loop-body-bits"])],
+            options: vec![
+                opt("--loop-body-bits", &["--loop-body-bits"]),
+                opt("--head-bits", &["--head-bits"]),
+                with(
+                    "--head-group-size",
+                    &["--head-group-size", "tensor head"],
+                    &["--head-bits", "4"],
+                ),
+            ],
         },
         CommandCase {
             head: vec!["synth".into()],

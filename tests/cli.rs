@@ -178,6 +178,50 @@ fn bench_reports_every_field() {
     }
 }
 
+/// `bench --prompt-file` takes its prompt from a text (through the model's tokenizer, or as bytes),
+/// starting at `--prompt-offset` (moved to the next character for a tokenizer); a text with too
+/// few tokens is an error that says how many it holds.
+#[test]
+fn bench_takes_its_prompt_from_a_file() {
+    let text = common::scratch("cli-bench-prompt").join("prose.txt");
+    // Two-byte characters: offset 1 falls inside one.
+    std::fs::write(&text, "été à Noël, ".repeat(20)).unwrap();
+    let text = text.to_str().unwrap();
+    let bench = |m: &str, len: &str| {
+        tinyloop(&[
+            m,
+            "bench",
+            "--prompt-len",
+            len,
+            "--gen-len",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            "--prompt-file",
+            text,
+            "--prompt-offset",
+            "1",
+        ])
+    };
+    for m in [model(), text_model()] {
+        let v = json_of(&bench(&m, "8"));
+        assert_eq!(v["prompt_file"].as_str(), Some(text), "{m}");
+        assert_eq!(v["prompt_offset"].as_u64(), Some(1), "{m}");
+        assert_eq!(v["prompt_len"].as_u64(), Some(8), "{m}");
+        assert_one_line_error(
+            &bench(&m, "1000"),
+            "a text shorter than --prompt-len",
+            "fewer than --prompt-len 1000",
+        );
+    }
+    assert_one_line_error(
+        &tinyloop(&[&model(), "bench", "--prompt-offset", "3"]),
+        "--prompt-offset without --prompt-file",
+        "--prompt-file",
+    );
+}
+
 /// `--concurrency N` runs N clients at once, --repeats generations each, on a session each or
 /// through one engine, and counts them all.
 #[test]

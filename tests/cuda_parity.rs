@@ -2547,6 +2547,58 @@ fn cuda_requantize_matches_the_host_repack() {
     }
 }
 
+/// A model whose head `requantize --head-bits` quantized (INT4 and INT2, groups of 32) scores on
+/// the GPU as on the CPU: the head takes the quantized product kernels, the tensor-core GEMM for
+/// 24 rows and the GEMV for the last row, within the whole-model bound.
+#[test]
+fn cuda_quantized_head_matches_cpu() {
+    if !cuda_or_skip("cuda_quantized_head_matches_cpu") {
+        return;
+    }
+    use tinyloop::convert::requantize::{requantize_model, Requantization};
+    let mut failures = Vec::new();
+    let source = ModelFile::open(synth("small", 4, 32)).unwrap();
+    for dtype in [DType::Int4, DType::Int2] {
+        let plan = Requantization {
+            head: Some((dtype, 32)),
+            ..Requantization::default()
+        };
+        let path =
+            common::scratch("cuda-quantized-head").join(format!("{}.tinyloop", dtype.name()));
+        requantize_model(&source, &plan)
+            .unwrap()
+            .write(&path)
+            .unwrap();
+        let (cpu, gpu) = (
+            open(&path, Device::Cpu, 128),
+            open(&path, Device::Cuda(0), 128),
+        );
+        let config = cpu.config().clone();
+        let tokens = prompt(24, config.vocab_size, 11);
+        let (mut cs, mut gs) = (cpu.new_session().unwrap(), gpu.new_session().unwrap());
+        for &loops in loop_counts() {
+            let tol = model_tol(config.applications(loops));
+            let e = rel(
+                &gs.score(&tokens, Some(loops)).unwrap(),
+                &cs.score(&tokens, Some(loops)).unwrap(),
+            );
+            let c1 = cs.score_last(&tokens, Some(loops)).unwrap();
+            let e1 = rel(&gs.score_last(&tokens, Some(loops)).unwrap(), &c1);
+            report(&format!(
+                "parity small {} head L={loops}: score(24) rel {e:.2e}, score_last rel {e1:.2e}, tol {tol:.2e}",
+                dtype.name()
+            ));
+            if e > tol || e1 > tol {
+                failures.push(format!(
+                    "{} head L={loops}: rel {e:.2e} / {e1:.2e} > {tol:.2e}",
+                    dtype.name()
+                ));
+            }
+        }
+    }
+    finish("cuda_quantized_head_matches_cpu", failures);
+}
+
 /// Device bytes of one uploaded weight: codes, parameters at the next 256-byte boundary, the
 /// whole allocation rounded up to 256 bytes (src/backend/cuda/linear.rs, driver.rs).
 fn cuda_weight_bytes(rows: usize, cols: usize, bits: usize, group: usize) -> usize {

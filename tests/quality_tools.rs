@@ -260,6 +260,107 @@ fn requantize_rewrites_only_the_loop_body() {
     assert_ne!(nll_int2, nll_int4, "the loop body did not change");
 }
 
+/// `requantize --head-bits` quantizes the f16 head by round-to-nearest (every other tensor is
+/// copied byte for byte), alone or with the loop body, and records it in the metadata.
+#[test]
+fn requantize_quantizes_the_head() {
+    let source = common::synth_file("tiny", 3, 4);
+    let dir = common::scratch("requantize-head");
+    let before = ModelFile::open(&source).unwrap();
+    let (head, head_bytes) = before.tensor("head").unwrap();
+    assert_eq!(head.dtype, DType::F16);
+    let values: Vec<f32> = tinyloop::model::quant::f16_values(head_bytes)
+        .map(|v| v.to_f32())
+        .collect();
+    let [rows, cols] = [head.shape[0] as usize, head.shape[1] as usize];
+    for (bits, group, body) in [("4", 32, None), ("2", 64, Some("2"))] {
+        let out = dir.join(format!("head-{bits}.tinyloop"));
+        let group_arg = group.to_string();
+        let mut args = vec![
+            path_str(&source),
+            "requantize",
+            "--head-bits",
+            bits,
+            "--head-group-size",
+            &group_arg,
+            "--out",
+            path_str(&out),
+        ];
+        if let Some(b) = body {
+            args.extend(["--loop-body-bits", b]);
+        }
+        let status = tinyloop(&args);
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        let after = ModelFile::open(&out).unwrap();
+        let dtype = if bits == "4" {
+            DType::Int4
+        } else {
+            DType::Int2
+        };
+        let expected =
+            tinyloop::model::quant::quantize_rtn(&values, rows, cols, dtype, group).unwrap();
+        let (new_head, new_bytes) = after.tensor("head").unwrap();
+        assert_eq!(
+            (new_head.dtype, new_head.group_size),
+            (dtype, Some(group as u64))
+        );
+        assert_eq!(new_bytes, &expected.to_bytes()[..]);
+        // Round-to-nearest: every weight within half a step of the f16 original (plus the f16
+        // rounding of the group's zero, at most half an ulp of its magnitude).
+        let mut row = vec![0.0; cols];
+        for r in 0..rows {
+            expected.dequantize_row(r, &mut row);
+            for (c, &got) in row.iter().enumerate() {
+                let p = r * (cols / group) + c / group;
+                let step = expected.scales[p].to_f32();
+                let zero = expected.zeros[p].to_f32().abs();
+                let want = values[r * cols + c];
+                assert!(
+                    (got - want).abs() <= step / 2.0 + zero * 2f32.powi(-11) + 1e-6,
+                    "head[{r}, {c}]: {got} vs {want} (step {step})"
+                );
+            }
+        }
+        for entry in before.tensor_entries() {
+            let changed = entry.name == "head"
+                || (body.is_some()
+                    && entry.name.starts_with("loop.")
+                    && entry.dtype.is_quantized());
+            if !changed {
+                assert_eq!(
+                    after.tensor(&entry.name).unwrap().1,
+                    before.tensor(&entry.name).unwrap().1,
+                    "{}",
+                    entry.name
+                );
+            }
+        }
+        let note = &after.metadata["head_quantized"];
+        assert_eq!(
+            (&note["from"], &note["to"], &note["group_size"]),
+            (&"f16".into(), &dtype.name().into(), &group.into())
+        );
+        assert_eq!(
+            after.metadata.contains_key("loop_body_requantized"),
+            body.is_some()
+        );
+        let nll = json(&[
+            path_str(&out),
+            "score",
+            "--text",
+            "To-morrow, and to-morrow",
+            "--json",
+        ])["nll"]
+            .as_f64()
+            .unwrap();
+        assert!(nll.is_finite() && nll > 0.0, "{nll}");
+    }
+}
+
 #[test]
 fn requantize_errors_are_named() {
     let dir = common::scratch("requantize-errors");
@@ -294,8 +395,50 @@ fn requantize_errors_are_named() {
     );
     requantize(int4, "2", int4, "is the input model");
     requantize("/missing.tinyloop", "2", o, "cannot read /missing.tinyloop");
-    assert!(!out.exists(), "a failed requantize wrote {o}");
     assert_one_line_error(&[int4, "requantize", "--out", o], "--loop-body-bits");
+    let head = |model: &str, args: &[&str], expected: &str| {
+        let all: Vec<&str> = [model, "requantize"]
+            .iter()
+            .chain(args)
+            .chain(&["--out", o])
+            .copied()
+            .collect();
+        assert_one_line_error(&all, expected);
+    };
+    head(
+        int4,
+        &["--head-bits", "8"],
+        "'8' for '--head-bits <BITS>': expected 2 or 4",
+    );
+    head(int4, &["--head-group-size", "32"], "--head-bits");
+    // The tiny preset's head has 64 columns: a group of 48 does not divide them.
+    head(
+        int4,
+        &["--head-bits", "4", "--head-group-size", "48"],
+        "tensor head: ",
+    );
+    let tied = common::synth_file("tiny-tied", 1, 4);
+    head(
+        path_str(&tied),
+        &["--head-bits", "4"],
+        "the model's head is tied to the embedding",
+    );
+    let int4_head = dir.join("int4-head.tinyloop");
+    let args = [
+        int4,
+        "requantize",
+        "--head-bits",
+        "4",
+        "--out",
+        path_str(&int4_head),
+    ];
+    assert!(tinyloop(&args).status.success());
+    head(
+        path_str(&int4_head),
+        &["--head-bits", "2"],
+        "the head is int4 already",
+    );
+    assert!(!out.exists(), "a failed requantize wrote {o}");
 }
 
 #[test]

@@ -118,8 +118,27 @@ enum ModelCommand {
     /// dequantized weights at the same group size); every other tensor is copied unchanged.
     Requantize {
         /// Bit width of the loop body in the copy: 2 or 4.
+        #[arg(
+            long,
+            value_name = "BITS",
+            value_parser = one_of::<u32>(&[2, 4]),
+            required_unless_present = "head_bits"
+        )]
+        loop_body_bits: Option<u32>,
+        /// Quantize the model's f16 head to this bit width (4 or 2) by round-to-nearest: a
+        /// quarter of its bytes at 4 bits, which every decode step reads (docs/QUALITY.md gives
+        /// its cost).
         #[arg(long, value_name = "BITS", value_parser = one_of::<u32>(&[2, 4]))]
-        loop_body_bits: u32,
+        head_bits: Option<u32>,
+        /// Group size of the quantized head (0: one group per row).
+        #[arg(
+            long,
+            value_name = "G",
+            requires = "head_bits",
+            default_value_t = 128,
+            value_parser = whole::<usize>(0, MAX)
+        )]
+        head_group_size: usize,
         /// Where to write the copy (not the input file).
         #[arg(long)]
         out: PathBuf,
@@ -514,9 +533,25 @@ struct ScoreArgs {
 struct BenchArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Tokens of the (fixed pseudo-random) prompt.
+    /// Tokens of the prompt (fixed pseudo-random tokens unless --prompt-file).
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = whole::<usize>(1, MAX))]
     prompt_len: usize,
+    /// Take the prompt from a text instead: the first --prompt-len tokens of FILE (its bytes for
+    /// a byte-level model, else its UTF-8 text through the model's tokenizer) from
+    /// --prompt-offset bytes on. Figures that depend on the text (speculative acceptance, exit
+    /// depth) are only meaningful on real prose.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
+    /// Where in --prompt-file the prompt starts, in bytes (moved forward to the next character
+    /// boundary for a tokenizer).
+    #[arg(
+        long,
+        value_name = "BYTES",
+        requires = "prompt_file",
+        default_value_t = 0,
+        value_parser = whole::<usize>(0, MAX)
+    )]
+    prompt_offset: usize,
     /// Tokens generated per run (at least 2: decode time is measured between tokens).
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = whole::<usize>(2, MAX))]
     gen_len: usize,
@@ -931,13 +966,26 @@ fn run_model(cli: ModelCli) -> Result<()> {
         ModelCommand::Serve(args) => serve_model(&cli.model, args),
         ModelCommand::Requantize {
             loop_body_bits,
+            head_bits,
+            head_group_size,
             out,
         } => {
-            tinyloop::convert::requantize::requantize_file(&cli.model, &out, loop_body_bits)?;
-            eprintln!(
-                "wrote {} (loop body at {loop_body_bits} bits)",
-                out.display()
-            );
+            use tinyloop::convert::requantize::{quantized_dtype, requantize_file, Requantization};
+            let plan = Requantization {
+                loop_body: loop_body_bits.map(quantized_dtype).transpose()?,
+                head: head_bits
+                    .map(|bits| Ok::<_, Error>((quantized_dtype(bits)?, head_group_size)))
+                    .transpose()?,
+            };
+            requantize_file(&cli.model, &out, &plan)?;
+            let mut what = Vec::new();
+            if let Some(bits) = loop_body_bits {
+                what.push(format!("loop body at {bits} bits"));
+            }
+            if let Some(bits) = head_bits {
+                what.push(format!("head at {bits} bits"));
+            }
+            eprintln!("wrote {} ({})", out.display(), what.join(", "));
             Ok(())
         }
     }
@@ -1266,6 +1314,44 @@ fn tokenize(path: &PathBuf, args: TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The prompt of `bench`: --prompt-len tokens of --prompt-file from --prompt-offset, or by
+/// default fixed pseudo-random tokens (so that the default figures need no text file).
+fn bench_prompt(model: &Model, args: &BenchArgs) -> Result<Vec<u32>> {
+    let n = args.prompt_len;
+    let Some(file) = &args.prompt_file else {
+        let vocab = model.config().vocab_size as u32;
+        return Ok((0..n as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab)
+            .collect());
+    };
+    let bytes = std::fs::read(file).map_err(|e| Error::Io {
+        path: file.clone(),
+        source: e,
+    })?;
+    let mut start = args.prompt_offset.min(bytes.len());
+    if !is_byte_level(model) {
+        // UTF-8 continuation bytes are 10xxxxxx: start at the next character.
+        while start < bytes.len() && bytes[start] & 0xC0 == 0x80 {
+            start += 1;
+        }
+    }
+    // A tokenizer needs no more than a few bytes per token; a long file is not tokenized whole.
+    let mut end = bytes.len().min(start.saturating_add(n.saturating_mul(64)));
+    while !is_byte_level(model) && end < bytes.len() && bytes[end] & 0xC0 == 0x80 {
+        end -= 1;
+    }
+    let mut tokens = text_tokens(model, &bytes[start..end], "--prompt-file")?;
+    if tokens.len() < n {
+        return Err(Error::InvalidArgument(format!(
+            "--prompt-file {} holds {} tokens from byte {start}, fewer than --prompt-len {n}",
+            file.display(),
+            tokens.len()
+        )));
+    }
+    tokens.truncate(n);
+    Ok(tokens)
+}
+
 /// BETA-MON's summary line (and agreement warning) of a monitored call, unless the library
 /// printed it already (`TINYLOOP_BETA_MONITOR=1` on a model that logs).
 fn print_beta_mon(model: &Model, stats: &GenerateStats) {
@@ -1583,11 +1669,7 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         other => other,
     })?;
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
-    let vocab = model.config().vocab_size as u32;
-    // A fixed pseudo-random prompt: benchmarks must not depend on a text file.
-    let prompt: Vec<u32> = (0..args.prompt_len as u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) % vocab)
-        .collect();
+    let prompt = bench_prompt(&model, &args)?;
     let mut session = model.new_session()?;
     let speculation = args.speculation.speculation();
     // Handles are built once, outside the timed runs.
@@ -1700,6 +1782,8 @@ fn bench(path: &PathBuf, args: BenchArgs) -> Result<()> {
         "load_ms": load_ms,
         "reload_ms": reload_ms,
         "prompt_len": args.prompt_len,
+        "prompt_file": args.prompt_file.as_ref().map(|f| f.display().to_string()),
+        "prompt_offset": args.prompt_offset,
         "gen_len": args.gen_len,
         "prefill_ms": prefill_ms,
         "prefill_tokens_per_s": args.prompt_len as f64 / prefill_ms * 1e3,
