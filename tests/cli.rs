@@ -220,6 +220,19 @@ fn bench_takes_its_prompt_from_a_file() {
         "--prompt-offset without --prompt-file",
         "--prompt-file",
     );
+    let past = tinyloop(&[
+        &model(),
+        "bench",
+        "--prompt-file",
+        text,
+        "--prompt-offset",
+        "100000",
+    ]);
+    assert_one_line_error(
+        &past,
+        "an offset past the end",
+        "is past the end of --prompt-file",
+    );
 }
 
 /// `--concurrency N` runs N clients at once, --repeats generations each, on a session each or

@@ -1328,7 +1328,15 @@ fn bench_prompt(model: &Model, args: &BenchArgs) -> Result<Vec<u32>> {
         path: file.clone(),
         source: e,
     })?;
-    let mut start = args.prompt_offset.min(bytes.len());
+    if args.prompt_offset > bytes.len() {
+        return Err(Error::InvalidArgument(format!(
+            "--prompt-offset {} is past the end of --prompt-file {} ({} bytes)",
+            args.prompt_offset,
+            file.display(),
+            bytes.len()
+        )));
+    }
+    let mut start = args.prompt_offset;
     if !is_byte_level(model) {
         // UTF-8 continuation bytes are 10xxxxxx: start at the next character.
         while start < bytes.len() && bytes[start] & 0xC0 == 0x80 {
