@@ -115,7 +115,8 @@ enum ModelCommand {
     /// /v1/models), /health and Prometheus /metrics, through one engine (continuous batching).
     Serve(ServeArgs),
     /// Write a copy whose loop-block linears are re-quantized (round-to-nearest of the
-    /// dequantized weights at the same group size); every other tensor is copied unchanged.
+    /// dequantized weights at the same group size) and/or whose f16 head is quantized
+    /// (round-to-nearest); every other tensor is copied unchanged.
     Requantize {
         /// Bit width of the loop body in the copy: 2 or 4.
         #[arg(
@@ -974,8 +975,9 @@ fn run_model(cli: ModelCli) -> Result<()> {
             let plan = Requantization {
                 loop_body: loop_body_bits.map(quantized_dtype).transpose()?,
                 head: head_bits
-                    .map(|bits| Ok::<_, Error>((quantized_dtype(bits)?, head_group_size)))
-                    .transpose()?,
+                    .map(quantized_dtype)
+                    .transpose()?
+                    .map(|dtype| (dtype, head_group_size)),
             };
             requantize_file(&cli.model, &out, &plan)?;
             let mut what = Vec::new();
@@ -1336,16 +1338,17 @@ fn bench_prompt(model: &Model, args: &BenchArgs) -> Result<Vec<u32>> {
             bytes.len()
         )));
     }
+    // A tokenizer reads whole characters (UTF-8 continuation bytes are 10xxxxxx): the text starts
+    // at the next character and ends before a cut one. It needs no more than a few bytes per
+    // token, so a long file is not tokenized whole.
+    let inside_char =
+        |i: usize| !is_byte_level(model) && i < bytes.len() && bytes[i] & 0xC0 == 0x80;
     let mut start = args.prompt_offset;
-    if !is_byte_level(model) {
-        // UTF-8 continuation bytes are 10xxxxxx: start at the next character.
-        while start < bytes.len() && bytes[start] & 0xC0 == 0x80 {
-            start += 1;
-        }
+    while inside_char(start) {
+        start += 1;
     }
-    // A tokenizer needs no more than a few bytes per token; a long file is not tokenized whole.
     let mut end = bytes.len().min(start.saturating_add(n.saturating_mul(64)));
-    while !is_byte_level(model) && end < bytes.len() && bytes[end] & 0xC0 == 0x80 {
+    while inside_char(end) {
         end -= 1;
     }
     let mut tokens = text_tokens(model, &bytes[start..end], "--prompt-file")?;

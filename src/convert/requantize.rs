@@ -71,6 +71,7 @@ pub fn requantize_model(file: &ModelFile, plan: &Requantization) -> Result<FileW
         writer.set_metadata(key, value.clone());
     }
     let mut from = BTreeSet::new();
+    let mut head_group = None;
     for spec in expected_tensors(&file.config) {
         let (entry, bytes) = file
             .tensor(&spec.name)
@@ -81,7 +82,9 @@ pub fn requantize_model(file: &ModelFile, plan: &Requantization) -> Result<FileW
                 requantized(entry, bytes, dtype)?
             }
             (_, Some((dtype, group_size))) if spec.name == "head" => {
-                quantized_head(entry, bytes, dtype, group_size)?
+                let matrix = quantized_head(entry, bytes, dtype, group_size)?;
+                head_group = Some(matrix.group_size);
+                matrix
             }
             _ => {
                 writer.add_stored(entry, bytes);
@@ -106,14 +109,13 @@ pub fn requantize_model(file: &ModelFile, plan: &Requantization) -> Result<FileW
             }),
         );
     }
-    if let Some((dtype, group_size)) = plan.head {
-        let (entry, _) = file.tensor("head").expect("an untied head");
+    if let (Some((dtype, _)), Some(group_size)) = (plan.head, head_group) {
         writer.set_metadata(
             HEAD_METADATA_KEY,
             json!({
-                "from": entry.dtype.name(),
+                "from": DType::F16.name(),
                 "to": dtype.name(),
-                "group_size": group_size_for("head", dtype, entry.shape[1] as usize, group_size)?,
+                "group_size": group_size,
                 "method": "round-to-nearest",
             }),
         );
