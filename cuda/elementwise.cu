@@ -60,6 +60,14 @@ DEV void staged_row_stats(const float* srow, int d, int layer_norm, float eps, f
     *inv_out = inv;
 }
 
+// Value i of a staged row normalized with its statistics: (v - mean) * inv * w + b, in f32.
+DEV float staged_normed(const float* srow, int i, float mean, float inv, const f16_t* w,
+                        const f16_t* b, int has_bias) {
+    const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
+    const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
+    return __fadd_rn(v, bias);
+}
+
 // RMSNorm or LayerNorm of one row per block, rounded to f16:
 // out = (x - mean) * inv * w + b with inv = 1 / sqrt(var + eps) (mean = 0, b = 0 for RMSNorm).
 // Rows of up to 8 values per thread (d a multiple of 4) stay in registers, with every load
@@ -128,11 +136,8 @@ extern "C" __global__ void norm_rows(const float* __restrict__ x, int d, int lay
     float mean, inv;
     staged_row_stats(srow, d, layer_norm, eps, scratch, &mean, &inv);
 #pragma unroll 4
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
-        const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
-        dst[i] = f32_to_f16(__fadd_rn(v, bias));
-    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        dst[i] = f32_to_f16(staged_normed(srow, i, mean, inv, w, b, has_bias));
 }
 
 // Rotate the Q and K heads of each row at its position (pairs (i, i + hd/2)), then write K and V,
@@ -449,11 +454,16 @@ extern "C" __global__ void entropy_f32(const float* __restrict__ x, int len, flo
 //   mode 0: out = norm(x)             (the loop norm)
 //   mode 1: out = x + norm(delta)     (sandwich block)
 //   mode 2: out = norm(x + delta)     (sandwich block, norm after the residual add)
+// With `w2`, the result is normalized again by that norm (the loop norm of a stream whose last
+// sublayer output was pending), exactly as a second launch in mode 0 would.
 extern "C" __global__ void norm_state_rows(const float* x, float* out,
                                            const float* __restrict__ delta, int mode, int d,
                                            int layer_norm, float eps,
                                            const f16_t* __restrict__ w,
-                                           const f16_t* __restrict__ b, int has_bias) {
+                                           const f16_t* __restrict__ b, int has_bias,
+                                           int layer_norm2, float eps2,
+                                           const f16_t* __restrict__ w2,
+                                           const f16_t* __restrict__ b2, int has_bias2) {
     kernel_start();
     extern __shared__ __align__(16) float srow[];
     __shared__ float scratch[32];
@@ -465,12 +475,22 @@ extern "C" __global__ void norm_state_rows(const float* x, float* out,
     __syncthreads();
     float mean, inv;
     staged_row_stats(srow, d, layer_norm, eps, scratch, &mean, &inv);
+    // Every thread has read the whole row once the statistics return (their reduction ends in
+    // a barrier), so each may overwrite its own values of it.
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const float bias = has_bias ? f16_to_f32(b[i]) : 0.0f;
-        const float v = __fmul_rn(__fmul_rn(__fsub_rn(srow[i], mean), inv), f16_to_f32(w[i]));
-        const float normed = __fadd_rn(v, bias);
-        dst[i] = mode == 1 ? __fadd_rn(row[i], normed) : normed;
+        const float normed = staged_normed(srow, i, mean, inv, w, b, has_bias);
+        const float result = mode == 1 ? __fadd_rn(row[i], normed) : normed;
+        if (w2) {
+            srow[i] = result;
+        } else {
+            dst[i] = result;
+        }
     }
+    if (!w2) return;
+    __syncthreads();
+    staged_row_stats(srow, d, layer_norm2, eps2, scratch, &mean, &inv);
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        dst[i] = staged_normed(srow, i, mean, inv, w2, b2, has_bias2);
 }
 
 // x[r * width + i] += bias[i] for `rows` rows. grid (rows, ceil(width / blockDim.x)).

@@ -95,7 +95,8 @@ use half::f16;
 use tinyloop::backend::cpu::CpuBackend;
 use tinyloop::backend::cuda::{CudaBackend, CudaKv, DevBuf};
 use tinyloop::backend::{
-    choose_on_host, rope_table, AttentionShape, Backend, Choice, HostLinear, NormLayer, StepInput,
+    choose_on_host, rope_table, AttentionShape, Backend, Choice, HostLinear, NormLayer, Residual,
+    StepInput,
 };
 use tinyloop::format::DType;
 use tinyloop::generate::sampling::{Rng, SamplingParams};
@@ -106,8 +107,8 @@ use tinyloop::model::quant::{f16_to_bytes, quantize_rtn};
 use tinyloop::model::synth::{preset, random_model};
 use tinyloop::model::weights::Weights;
 use tinyloop::{
-    Device, Error, GenerateParams, GenerateStats, Model, ModelConfig, ModelFile, ModelOptions,
-    NormKind,
+    BlockNorms, Device, Error, GenerateParams, GenerateStats, Model, ModelConfig, ModelFile,
+    ModelOptions, NormKind,
 };
 
 use common::exit_agreement::{agreement, self_consistent, Agreement};
@@ -389,14 +390,7 @@ fn cuda_norms_match_cpu() {
                     .iter()
                     .map(|v| v + 0.5)
                     .collect();
-                let wv: Vec<f16> = randn(&mut rng, d, 0.1)
-                    .iter()
-                    .map(|v| f16::from_f32(1.0 + v))
-                    .collect();
-                let bv: Vec<f16> = randn(&mut rng, d, 0.05)
-                    .iter()
-                    .map(|&v| f16::from_f32(v))
-                    .collect();
+                let (wv, bv) = random_norm(&mut rng, d);
                 let run = |b: &dyn Fn() -> Vec<f32>| b();
                 let c = run(&|| norm_on(&cpu, kind, &x, rows, &wv, &bv));
                 let g = run(&|| norm_on(&gpu, kind, &x, rows, &wv, &bv));
@@ -423,14 +417,7 @@ fn cuda_norms_match_cpu() {
             };
             for kind in [NormKind::RmsNorm, NormKind::LayerNorm] {
                 let x = randn(&mut rng, d, 2.0);
-                let wv: Vec<f16> = randn(&mut rng, d, 0.1)
-                    .iter()
-                    .map(|v| f16::from_f32(1.0 + v))
-                    .collect();
-                let bv: Vec<f16> = randn(&mut rng, d, 0.05)
-                    .iter()
-                    .map(|&v| f16::from_f32(v))
-                    .collect();
+                let (wv, bv) = random_norm(&mut rng, d);
                 let c = norm_linear_on(&cpu, kind, &x, &wv, &bv, &lin);
                 let g = norm_linear_on(&gpu, kind, &x, &wv, &bv, &lin);
                 for (what, e) in [("linear", rel(&g.0, &c.0)), ("gate_up", rel(&g.1, &c.1))] {
@@ -446,6 +433,16 @@ fn cuda_norms_match_cpu() {
     report(&format!(
         "op norm: worst rel error {worst:.2e} (tol {OP_TOL:.0e}); fused into the GEMV {worst_fused:.2e} (tol {CHAIN_TOL:.1e})"
     ));
+}
+
+/// A norm's weight (about 1) and bias (about 0) for rows of `d` values.
+fn random_norm(rng: &mut Rng, d: usize) -> (Vec<f16>, Vec<f16>) {
+    let w = randn(rng, d, 0.1)
+        .into_iter()
+        .map(|v| f16::from_f32(1.0 + v));
+    let w = w.collect();
+    let b = randn(rng, d, 0.05).into_iter().map(f16::from_f32).collect();
+    (w, b)
 }
 
 fn norm_on<B: Probe>(
@@ -498,6 +495,163 @@ fn norm_linear_on<B: Probe>(
     b.norm_mlp_gate_up(&norm, &xf, 1, &w, &w, &mut h, scratch, &mut act);
     let linear = b.read_float(&out, 0, lin.rows).unwrap();
     (linear, b.read_half(&act, lin.rows))
+}
+
+/// A sandwich sublayer's pending output added as the next normalizing GEMV loads its row (and
+/// as the loop norm settles it, in one kernel), against the CPU's separate steps: the products
+/// within `CHAIN_TOL` (the fused-norm argument above), the settled stream and the loop-normed
+/// state within `OP_TOL` (f32 values, reordered sums). The cancelling inputs, a stream that the
+/// output nearly undoes, leave a settled row a hundredth the size of its terms.
+#[test]
+fn cuda_sandwich_settle_matches_cpu() {
+    if !cuda_or_skip("cuda_sandwich_settle_matches_cpu") {
+        return;
+    }
+    let (cpu, gpu) = (CpuBackend, gpu());
+    let mut rng = Rng::new(23);
+    let (mut worst_product, mut worst_stream) = (0f64, 0f64);
+    for (d, n) in [(64, 96), (2048, 256)] {
+        let (dtype, group_size, bytes) = host_weight(&mut rng, n, d, 4, 64);
+        let lin = HostLinear {
+            rows: n,
+            cols: d,
+            dtype,
+            group_size,
+            bytes: &bytes,
+        };
+        for layout in [BlockNorms::Sandwich, BlockNorms::SandwichResidual] {
+            for kind in [NormKind::RmsNorm, NormKind::LayerNorm] {
+                for cancelling in [false, true] {
+                    let inputs = SettleInputs::new(&mut rng, d, kind, layout, cancelling);
+                    let c = settle_on(&cpu, &inputs, &lin);
+                    let g = settle_on(&gpu, &inputs, &lin);
+                    let case = format!("{layout:?} {kind:?} d={d} cancelling={cancelling}");
+                    for (what, e) in [("linear", rel(&g.0, &c.0)), ("gate_up", rel(&g.1, &c.1))] {
+                        worst_product = worst_product.max(e);
+                        assert!(e <= CHAIN_TOL, "{case} {what}: rel error {e:.3e}");
+                    }
+                    for (what, e) in [("stream", rel(&g.2, &c.2)), ("state", rel(&g.3, &c.3))] {
+                        worst_stream = worst_stream.max(e);
+                        assert!(e <= OP_TOL, "{case} {what}: rel error {e:.3e}");
+                    }
+                }
+            }
+        }
+    }
+    report(&format!(
+        "op sandwich settle: products {worst_product:.2e} (tol {CHAIN_TOL:.1e}), stream and \
+         loop-normed state {worst_stream:.2e} (tol {OP_TOL:.0e})"
+    ));
+}
+
+/// The row, pending output and norms of one settle.
+struct SettleInputs {
+    x: Vec<f32>,
+    delta: Vec<f32>,
+    norms: [(Vec<f16>, Vec<f16>); 2],
+    kind: NormKind,
+    layout: BlockNorms,
+}
+
+impl SettleInputs {
+    /// Random inputs; `cancelling` makes the stream about minus the normalized output (or, with
+    /// the norm after the residual add, the output about minus the stream), so that the settled
+    /// row is a hundredth of its terms.
+    fn new(rng: &mut Rng, d: usize, kind: NormKind, layout: BlockNorms, cancelling: bool) -> Self {
+        let mut norm = || {
+            let w: Vec<f16> = randn(rng, d, 0.1)
+                .iter()
+                .map(|v| f16::from_f32(1.0 + v))
+                .collect();
+            let b: Vec<f16> = randn(rng, d, 0.05)
+                .iter()
+                .map(|&v| f16::from_f32(v))
+                .collect();
+            (w, b)
+        };
+        let norms = [norm(), norm()];
+        let delta = randn(rng, d, 2.0);
+        let noise = randn(rng, d, 0.01);
+        let x = if !cancelling {
+            randn(rng, d, 2.0)
+        } else if layout == BlockNorms::Sandwich {
+            let mut normed = vec![0f32; d];
+            let (w, b) = &norms[0];
+            let bias = (kind == NormKind::LayerNorm).then_some(b.as_slice());
+            host_norm(kind, &delta, w, bias, &mut normed);
+            normed.iter().zip(&noise).map(|(o, e)| e - o).collect()
+        } else {
+            delta.iter().zip(&noise).map(|(o, e)| e - o).collect()
+        };
+        SettleInputs {
+            x,
+            delta,
+            norms,
+            kind,
+            layout,
+        }
+    }
+}
+
+/// The normalized row `(v − mean) / √(var + 1e-5) · w + b` in f64 (mean 0 for RMSNorm).
+fn host_norm(kind: NormKind, v: &[f32], w: &[f16], b: Option<&[f16]>, out: &mut [f32]) {
+    let n = v.len() as f64;
+    let mean = match kind {
+        NormKind::LayerNorm => v.iter().map(|&a| a as f64).sum::<f64>() / n,
+        NormKind::RmsNorm => 0.0,
+    };
+    let var = v.iter().map(|&a| (a as f64 - mean).powi(2)).sum::<f64>() / n;
+    let inv = 1.0 / (var + 1e-5).sqrt();
+    for (i, o) in out.iter_mut().enumerate() {
+        let bias = b.map_or(0.0, |b| b[i].to_f64());
+        *o = ((v[i] as f64 - mean) * inv * w[i].to_f64() + bias) as f32;
+    }
+}
+
+/// Through `residual_norm_linear`, `residual_norm_mlp_gate_up` (the output norm `norms[0]`, the
+/// pre-norm `norms[1]`) and `residual_norm_state` (the loop norm `norms[1]`): the product, the
+/// gate-up activation, the settled stream and the loop-normed state.
+fn settle_on<B: Probe>(
+    b: &B,
+    inputs: &SettleInputs,
+    lin: &HostLinear,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let d = inputs.x.len();
+    let vectors: Vec<_> = inputs
+        .norms
+        .iter()
+        .map(|(w, bias)| (b.upload_vector(w).unwrap(), b.upload_vector(bias).unwrap()))
+        .collect();
+    let out_norm = norm_layer(inputs.kind, &vectors[0].0, &vectors[0].1);
+    let pre_norm = norm_layer(inputs.kind, &vectors[1].0, &vectors[1].1);
+    let delta = float_buf(b, &inputs.delta);
+    let residual = Residual {
+        norm: out_norm,
+        delta: &delta,
+        layout: inputs.layout,
+    };
+    let x = float_buf(b, &inputs.x);
+    let w = b.upload_linear(lin).unwrap();
+    let mut next = b.alloc_float(d).unwrap();
+    let mut h = b.alloc_half(d).unwrap();
+    let mut out = b.alloc_float(lin.rows).unwrap();
+    b.residual_norm_linear(&residual, &x, 1, &mut next, &pre_norm, &w, &mut h, &mut out);
+    let stream = b.read_float(&next, 0, d).unwrap();
+    let mut gate = b.alloc_float(lin.rows).unwrap();
+    let mut up = b.alloc_float(lin.rows).unwrap();
+    let mut act = b.alloc_half(lin.rows).unwrap();
+    let scratch = (&mut gate, &mut up);
+    b.residual_norm_mlp_gate_up(
+        &residual, &x, 1, &mut next, &pre_norm, &w, &w, &mut h, scratch, &mut act,
+    );
+    let mut state = float_buf(b, &inputs.x);
+    b.residual_norm_state(&residual, &pre_norm, &mut state, 1);
+    (
+        b.read_float(&out, 0, lin.rows).unwrap(),
+        b.read_half(&act, lin.rows),
+        stream,
+        b.read_float(&state, 0, d).unwrap(),
+    )
 }
 
 /// The KV modes every KV test runs, age with boundaries small enough to be crossed.

@@ -267,6 +267,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
         x: &mut Self::Float,
     );
 
+    /// [`Backend::residual_norm`] and then [`Backend::norm_state`] of the same rows: the loop norm
+    /// of a stream whose last sublayer output is pending.
+    fn residual_norm_state(
+        &self,
+        residual: &Residual<Self::Vector, Self::Float>,
+        norm: &NormLayer<Self::Vector>,
+        x: &mut Self::Float,
+        rows: usize,
+    ) {
+        self.residual_norm(residual, rows, x);
+        self.norm_state(norm, x, rows);
+    }
+
     /// [`Backend::residual_norm`] out of place: `next` = the stream `x` with the output added.
     fn residual_norm_into(
         &self,

@@ -569,8 +569,7 @@ pub fn run_rows<B: Backend>(
             apply(buf, n, app, &mut pending)?;
         }
         if arch.loop_norm == LoopNorm::EachIteration {
-            settle(backend, config, buf, n, pending.take());
-            norm_state(backend, w, buf, n);
+            norm_state(backend, w, buf, n, pending.take());
         }
         if rows.reaching(iteration + 1) < n {
             // Rows that stop here leave with their last sublayer's output added.
@@ -579,8 +578,7 @@ pub fn run_rows<B: Backend>(
     }
     if span.post {
         if arch.loop_norm == LoopNorm::AfterLoop {
-            settle(backend, config, buf, all, pending.take());
-            norm_state(backend, w, buf, all);
+            norm_state(backend, w, buf, all, pending.take());
         }
         for app in stage_blocks(Stage::Post, config.n_post_blocks) {
             apply(buf, all, app, &mut pending)?;
@@ -661,10 +659,27 @@ fn begin_loop<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, row
     }
 }
 
-/// `x = final_norm(x)` in f32: the loop norm.
-fn norm_state<B: Backend>(backend: &B, w: &Weights<B>, buf: &mut Buffers<B>, rows: usize) {
+/// `x = final_norm(x)` in f32: the loop norm, of the stream with the pending sublayer output
+/// added if there is one.
+fn norm_state<B: Backend>(
+    backend: &B,
+    w: &Weights<B>,
+    buf: &mut Buffers<B>,
+    rows: usize,
+    pending: Pending<'_, B>,
+) {
     let norm = norm_layer(&w.config, &w.final_norm);
-    backend.norm_state(&norm, &mut buf.x, rows);
+    match pending {
+        None => backend.norm_state(&norm, &mut buf.x, rows),
+        Some(out_norm) => {
+            let residual = Residual {
+                norm: out_norm,
+                delta: &buf.delta,
+                layout: w.config.architecture.block_norms,
+            };
+            backend.residual_norm_state(&residual, &norm, &mut buf.x, rows);
+        }
+    }
 }
 
 /// Whether [`Span::post`] changes the residual stream (post blocks or a loop norm before them):

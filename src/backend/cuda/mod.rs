@@ -453,6 +453,7 @@ impl CudaBackend {
         } else {
             d.min(256).div_ceil(32) * 32
         };
+        let [kind, eps, weight, bias, has_bias] = norm_kernel_args(norm);
         self.run(
             "norm_rows",
             self.gpu.kernels.norm_rows,
@@ -462,11 +463,11 @@ impl CudaBackend {
             &[
                 Arg::P(x.ptr),
                 Arg::usize(d),
-                Arg::I((norm.kind == NormKind::LayerNorm) as i32),
-                Arg::F(norm.eps),
-                Arg::P(norm.weight.buf.ptr),
-                Arg::P(norm.bias.map_or(norm.weight.buf.ptr, |b| b.buf.ptr)),
-                Arg::I(norm.bias.is_some() as i32),
+                kind,
+                eps,
+                weight,
+                bias,
+                has_bias,
                 Arg::P(out.ptr),
             ],
         );
@@ -475,7 +476,8 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// `norm_state_rows` in `mode` (cuda/elementwise.cu) over `rows` rows from `x` into `out`
-    /// (may be `x`), reading the rows at `delta` in modes 1 and 2.
+    /// (may be `x`), reading the rows at `delta` in modes 1 and 2, then normalized again by
+    /// `then` when given.
     fn norm_state_rows(
         &self,
         norm: &NormLayer<CudaVector>,
@@ -483,8 +485,12 @@ impl CudaBackend {
         delta: u64,
         rows: usize,
         mode: i32,
+        then: Option<&NormLayer<CudaVector>>,
     ) {
         let d = norm.weight.len;
+        let [k1, e1, w1, b1, h1] = norm_kernel_args(norm);
+        let none = [Arg::I(0), Arg::F(0.0), Arg::P(0), Arg::P(0), Arg::I(0)];
+        let [k2, e2, w2, b2, h2] = then.map_or(none, norm_kernel_args);
         self.run(
             "norm_state_rows",
             self.gpu.kernels.norm_state_rows,
@@ -497,14 +503,31 @@ impl CudaBackend {
                 Arg::P(delta),
                 Arg::I(mode),
                 Arg::usize(d),
-                Arg::I((norm.kind == NormKind::LayerNorm) as i32),
-                Arg::F(norm.eps),
-                Arg::P(norm.weight.buf.ptr),
-                Arg::P(norm.bias.map_or(norm.weight.buf.ptr, |b| b.buf.ptr)),
-                Arg::I(norm.bias.is_some() as i32),
+                k1,
+                e1,
+                w1,
+                b1,
+                h1,
+                k2,
+                e2,
+                w2,
+                b2,
+                h2,
             ],
         );
     }
+}
+
+/// A norm's kernel arguments: LayerNorm or not, eps, weight, bias (the weight when there is
+/// none) and whether there is one.
+fn norm_kernel_args(norm: &NormLayer<CudaVector>) -> [Arg; 5] {
+    [
+        Arg::I((norm.kind == NormKind::LayerNorm) as i32),
+        Arg::F(norm.eps),
+        Arg::P(norm.weight.buf.ptr),
+        Arg::P(norm.bias.map_or(norm.weight.buf.ptr, |b| b.buf.ptr)),
+        Arg::I(norm.bias.is_some() as i32),
+    ]
 }
 
 /// The `norm_state_rows` mode (and GEMV residual mode) of a pending sublayer output.
@@ -786,7 +809,7 @@ impl Backend for CudaBackend {
 
     fn norm_state(&self, norm: &NormLayer<CudaVector>, x: &mut DevBuf, rows: usize) {
         // Mode 0 does not read delta.
-        self.norm_state_rows(norm, (x.ptr, x.ptr), x.ptr, rows, 0);
+        self.norm_state_rows(norm, (x.ptr, x.ptr), x.ptr, rows, 0, None);
     }
 
     fn residual_norm(&self, residual: &Residual<CudaVector, DevBuf>, rows: usize, x: &mut DevBuf) {
@@ -797,6 +820,26 @@ impl Backend for CudaBackend {
             residual.delta.ptr,
             rows,
             mode,
+            None,
+        );
+    }
+
+    fn residual_norm_state(
+        &self,
+        residual: &Residual<CudaVector, DevBuf>,
+        norm: &NormLayer<CudaVector>,
+        x: &mut DevBuf,
+        rows: usize,
+    ) {
+        let mode = residual_mode(residual.layout);
+        let delta = residual.delta.ptr;
+        self.norm_state_rows(
+            &residual.norm,
+            (x.ptr, x.ptr),
+            delta,
+            rows,
+            mode,
+            Some(norm),
         );
     }
 
@@ -814,6 +857,7 @@ impl Backend for CudaBackend {
             residual.delta.ptr,
             rows,
             mode,
+            None,
         );
     }
 
