@@ -9,9 +9,10 @@
 // contract's f32 dequantize-and-accumulate, up to the order of f32 additions. No weight is ever
 // rounded to f16.
 //
-// Three kernels share that order (docs/NUMERICS.md "The tensor-core GEMM's order"): block tiles
-// that walk all of K for many rows (gemm_tiled), warps that take K in parallel segments for few
-// rows (gemm_small), and a block per segment whose sums a second kernel adds (gemm_split).
+// Four kernels share that order (docs/NUMERICS.md "The tensor-core GEMM's order"): block tiles
+// that walk all of K for many rows (gemm_tiled, and gemm_wgmma on sm_90a), warps that take K in
+// parallel segments for few rows (gemm_small), and a block per segment whose sums a second kernel
+// adds (gemm_split).
 #include "common.cuh"
 
 // All three kernels sum K in segments of this many: each segment's products from zero, then the
@@ -125,10 +126,13 @@ template <int MT> struct SmallFrags {
     u32 a[MT][2][4]; // [row tile][16-wide half][fragment word]
 };
 
-// The f16 at `p` from the aligned word holding it (the word a stage copied).
-DEV float f16_of_word(u32 word, const f16_t* p) {
-    return f16_to_f32((f16_t)((((size_t)p >> 1) & 1) ? word >> 16 : word & 0xffffu));
+// The high (`odd`) or low half of a word of two f16, as f32.
+DEV float half_of_word(u32 word, int odd) {
+    return f16_to_f32((f16_t)(odd ? word >> 16 : word & 0xffffu));
 }
+
+// The f16 at `p` from the aligned word holding it (the word a stage copied).
+DEV float f16_of_word(u32 word, const f16_t* p) { return half_of_word(word, ((size_t)p >> 1) & 1); }
 
 // A warp's X fragments of one 32-wide K tile held in shared memory: MT row tiles through
 // ldmatrix from `x` (row 0 of the tile; rows `x_row` bytes apart).
@@ -731,6 +735,324 @@ extern "C" __global__ void __launch_bounds__(256)
     out[i] = accumulate ? __fadd_rn(out[i], total) : total;
 }
 
+// Products of many rows on Hopper (sm_90a), where wgmma feeds the tensor cores from shared
+// memory at a rate mma.sync cannot reach. The weights are wgmma's A operand, from registers, and
+// X its B operand, from shared memory: the codes become f16 fragments on their way from shared
+// memory to the tensor cores, and no weight is ever stored as f16. A block multiplies WG_COLS
+// weight rows (two warpgroups of 64) by BM rows of X over all of K. The 64-wide K tiles (X in the
+// 128-byte swizzle wgmma reads, the codes, the scale and zero words of both 32-wide halves, and the
+// S of the units that end in the tile) stream through a ring of WG_STAGES stages with cp.async.
+//
+// Every output takes the operations of the other kernels, in their order: a chain of wgmma k16
+// steps gives the f32 bits of the same chain of mma.sync m16n8k16 (the same products, added in the
+// same order; tests/cuda_parity.rs checks rows bit for bit across the kernels), T starts each
+// unit from zero, S is computed beforehand by gemm_unit_sums with the MMAs the other kernels use,
+// and the unit, segment and output additions are theirs.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TL_WGMMA 1
+#else
+#define TL_WGMMA 0
+#endif
+#define WG_COLS 128   // weight rows per block, 64 per warpgroup
+#define WG_THREADS 256
+#define WG_STAGES 5
+// Tiles copied ahead of the math: a stage is refilled two tiles after its wgmmas were issued,
+// and each warpgroup has waited for all but its latest tile's before the barrier that precedes
+// the refill.
+#define WG_AHEAD (WG_STAGES - 2)
+
+// S of every unit of K for rows of X, as the other kernels take it: for the unit that ends with
+// 32-wide tile j, sums[j * ld + m] is the chain of MMAs of row m against ones over the unit's
+// 16-wide halves, from zero (tiles where no unit ends are left unwritten). A warp takes 16 rows
+// over one segment. grid (segments, ceil(M / 128)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_unit_sums(const f16_t* __restrict__ X, int M, int K, int group, int ld,
+                   float* __restrict__ sums) {
+    kernel_start();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int m0 = (blockIdx.y * 8 + (threadIdx.x >> 5)) * 16;
+    if (m0 >= M) return;
+    const int k_begin = blockIdx.x * GEMM_SEGMENT, k_end = min(K, k_begin + GEMM_SEGMENT);
+    const u32 ones[2] = {0x3C003C00u, 0x3C003C00u};
+    const f16_t* r0 = X + (size_t)min(m0 + g, M - 1) * K + 2 * t;
+    const f16_t* r8 = X + (size_t)min(m0 + g + 8, M - 1) * K + 2 * t;
+    float px[4] = {};
+    for (int k = k_begin; k < k_end; k += 32) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int kh = k + 16 * h;
+            const u32 a[4] = {*(const u32*)(r0 + kh), *(const u32*)(r8 + kh),
+                              *(const u32*)(r0 + kh + 8), *(const u32*)(r8 + kh + 8)};
+            mma16816(px, a, ones);
+        }
+        if (!unit_ends(k, K, group)) continue;
+        float* dst = sums + (size_t)(k / 32) * ld + m0 + g;
+        if (t == 0 && m0 + g < M) dst[0] = px[0];
+        if (t == 0 && m0 + g + 8 < M) dst[8] = px[2];
+#pragma unroll
+        for (int e = 0; e < 4; e++) px[e] = 0.0f;
+    }
+}
+
+#if TL_WGMMA
+// Bytes per weight row of a stage: a 64-wide tile's codes (INT4 padded to 48, so that the eight
+// rows of a fragment load fall in distinct banks).
+DEV int wg_code_row(int bits) { return bits == 4 ? 48 : 16; }
+
+// Bytes of one stage (src/backend/cuda/kernels.rs `wgmma_gemm_smem` computes the same), a
+// multiple of 1024 so that every stage's X keeps the swizzle's alignment: X (BM rows of 128
+// bytes), the codes, the scale and zero words [half][scale, zero][row], and S [half][BM].
+DEV int wg_stage_bytes(int bits, int bm) {
+    const int bytes = bm * 128 + WG_COLS * wg_code_row(bits) + 4 * WG_COLS * 4 + 2 * bm * 4;
+    return (bytes + 1023) & ~1023;
+}
+
+// The wgmma descriptor of a K-major tile in the 128-byte swizzle at shared address `addr`: rows of
+// 128 bytes, groups of 8 rows 1024 bytes apart.
+DEV u64 swizzled_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) |
+           ((u64)1 << 62);
+}
+
+DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> DEV void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Pin accumulators in place around the asynchronous wgmmas, so that the compiler neither moves
+// them nor touches them while a wgmma may still write them.
+template <int R> DEV void wgmma_pin(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A · B for a warpgroup: A 64 x 16 from registers (each warp's 16 rows as mma.sync's A
+// fragment), B BM x 16 K-major at `desc`; d from zero when `accumulate` is 0.
+template <int BM> DEV void wgmma_step(float (&d)[BM / 2], const u32 (&a)[4], u64 desc,
+                                      int accumulate) {
+    if constexpr (BM == 64) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, "
+                     "%8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, "
+                     "%24, %25, %26, %27, %28, %29, %30, %31"
+                     "}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc)
+                     : "memory");
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, "
+                     "%8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, "
+                     "%24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, "
+                     "%40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, "
+                     "%56, %57, %58, %59, %60, %61, %62, %63"
+                     "}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                       "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                       "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                       "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                       "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc)
+                     : "memory");
+    }
+}
+
+// Weight rows `row` and `row + 8` of a stage's codes (rows `code_row` bytes apart) at K offset
+// `k` (a multiple of 16) of the tile, as mma.sync's A fragment.
+template <int BITS>
+DEV void read_a_frag(u32 (&a)[4], const u8* codes, int code_row, int row, int k) {
+    const int t = threadIdx.x & 3;
+    const u8* r0 = codes + row * code_row + k * BITS / 8;
+    const u8* r8 = r0 + 8 * code_row;
+    if (BITS == 4) {
+        const uint2 v0 = *(const uint2*)r0, v8 = *(const uint2*)r8;
+        a[0] = q4_pair(v0.x, t);
+        a[1] = q4_pair(v8.x, t);
+        a[2] = q4_pair(v0.y, t);
+        a[3] = q4_pair(v8.y, t);
+    } else {
+        const u32 v0 = *(const u32*)r0, v8 = *(const u32*)r8;
+        a[0] = q2_pair(v0, t);
+        a[1] = q2_pair(v8, t);
+        a[2] = q2_pair(v0, t + 4);
+        a[3] = q2_pair(v8, t + 4);
+    }
+}
+#endif
+
+// Dynamic shared memory: 1024 bytes of alignment slack, the ring, then each thread's BM / 2
+// sums of the segments before the current one. `sums` holds gemm_unit_sums' S (rows `ld` apart,
+// ld a multiple of 4 and at least M). The host takes this kernel only on sm_90a, for K a
+// multiple of 64; elsewhere it is empty.
+template <int BITS, int BM>
+DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restrict__ W,
+                    const f16_t* __restrict__ sz, const f16_t* __restrict__ zeros, int N,
+                    int group, const float* __restrict__ sums, int ld, float* __restrict__ out,
+                    int accumulate) {
+#if TL_WGMMA
+    constexpr int ACC = BM / 2;
+    constexpr int X_COPIES = BM * 8 / WG_THREADS; // 16-byte pieces of X per thread and tile
+    constexpr int W_PIECES = BITS * 64 / 8 / 16;  // 16-byte pieces of a weight row's tile
+    extern __shared__ __align__(16) u8 smem[];
+    const int tid = threadIdx.x, t = tid & 3;
+    // This thread's weight rows within the block: row0 and row0 + 8 (its warpgroup's 64 rows,
+    // its warp's 16 of them).
+    const int row0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2);
+    const int m0 = blockIdx.y * BM, nb = blockIdx.x * WG_COLS;
+    const u32 base = smem_addr(smem), ring = (base + 1023) & ~1023u;
+    u8* const ring_ptr = smem + (ring - base);
+    const int stage_bytes = wg_stage_bytes(BITS, BM), code_row = wg_code_row(BITS);
+    const int codes_at = BM * 128, words_at = codes_at + WG_COLS * code_row;
+    const int sums_at = words_at + 4 * WG_COLS * 4;
+    float* before = (float*)(ring_ptr + WG_STAGES * stage_bytes) + tid; // [ACC][WG_THREADS]
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    const int G = K / group, tiles = K / 64;
+
+    // The copies, worked out once; each tile adds its offsets. X: piece c (8 halves) of row r
+    // goes to piece c ^ (r % 8) of the row (the swizzle), rows past M land as zeros. Weight rows
+    // past N repeat row N - 1 and their outputs are never stored. A thread copies the scale (or
+    // zero: the second 128 threads) words of one weight row for both halves of a tile, and the
+    // first BM / 2 threads a piece of S each.
+    const int x_part = tid & 7, x_row = tid >> 3;
+    const f16_t* x_src = X + x_part * 8;
+    const u32 x_dst = x_row * 128 + ((x_part ^ (x_row & 7)) << 4);
+    const int w_row = tid / W_PIECES, w_part = tid % W_PIECES;
+    const u8* w_src = W + (size_t)min(nb + w_row, N - 1) * row_bytes + w_part * 16;
+    const u32 w_dst = codes_at + w_row * code_row + w_part * 16;
+    const f16_t* p_src = (tid >= WG_COLS ? zeros : sz) + (size_t)min(nb + (tid & 127), N - 1) * G;
+    const int s_half = tid / (BM / 4), s_m = m0 + (tid % (BM / 4)) * 4;
+    const float* s_src = sums + (size_t)s_half * ld + min(s_m, ld - 4);
+    int copy_gi = 0, copy_gend = group; // the group of the next 32-wide half to copy
+
+    // Tile j into its stage, as one group of copies (empty past K).
+    auto copy_tile = [&](int j) {
+        if (j < tiles) {
+            const u32 st = ring + (j % WG_STAGES) * stage_bytes;
+#pragma unroll
+            for (int i = 0; i < X_COPIES; i++) {
+                const int m = m0 + x_row + i * (WG_THREADS / 8);
+                cp_async16(st + x_dst + i * (WG_THREADS / 8) * 128,
+                           x_src + (size_t)min(m, M - 1) * K + j * 64, m < M ? 16 : 0);
+            }
+            if (w_row < WG_COLS) cp_async16(st + w_dst, w_src + j * (BITS * 8), 16);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (j * 64 + 32 * h == copy_gend) {
+                    copy_gi++;
+                    copy_gend += group;
+                }
+                cp_async_word(st + words_at + (h * 2 * WG_COLS + tid) * 4, p_src + copy_gi, true);
+            }
+            if (tid < BM / 2)
+                cp_async16(st + sums_at + tid * 16, s_src + (size_t)(2 * j) * ld, s_m < M ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    kernel_start();
+#pragma unroll
+    for (int j = 0; j < WG_AHEAD; j++) copy_tile(j);
+
+    // Which half of its word each of the thread's scales and zeros is: the parity of its
+    // element, the row's part once and the group's part as the groups go by.
+    const size_t at0 = (size_t)(nb + row0) * G, at8 = at0 + (size_t)8 * G;
+    const int odd_s0 = ((size_t)(sz + at0) >> 1) & 1, odd_s8 = ((size_t)(sz + at8) >> 1) & 1;
+    const int odd_z0 = ((size_t)(zeros + at0) >> 1) & 1, odd_z8 = ((size_t)(zeros + at8) >> 1) & 1;
+    float tq[ACC], seg[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; i++) seg[i] = 0.0f;
+    int fresh = 1;                // the next wgmma starts a unit's T from zero
+    int gi = 0, gend = group;     // the group of the current half, and where the next begins
+    for (int j = 0; j < tiles; j++) {
+        cp_async_wait<WG_AHEAD - 1>();
+        // The tile's bytes, written through the generic proxy, for wgmma's async-proxy reads.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        copy_tile(j + WG_AHEAD);
+        const int k0 = j * 64;
+        const u32 st = ring + (j % WG_STAGES) * stage_bytes;
+        const u8* st_ptr = ring_ptr + (j % WG_STAGES) * stage_bytes;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                u32 a[4];
+                read_a_frag<BITS>(a, st_ptr + codes_at, code_row, row0, 32 * h + 16 * kk);
+                wgmma_fence();
+                wgmma_step<BM>(tq, a, swizzled_desc(st + 64 * h + 32 * kk), !fresh);
+                fresh = 0;
+            }
+            const int next = k0 + 32 * h + 32, odd = gi & 1;
+            if (next == gend) {
+                gi++;
+                gend += group;
+            } else if (next != K && next % GEMM_SEGMENT != 0) {
+                continue;
+            }
+            // The unit ends: seg += s · T + z · S, per output as add_dequantized does.
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(tq);
+            const u32* words = (const u32*)(st_ptr + words_at) + h * 2 * WG_COLS;
+            const float s0 = half_of_word(words[row0], odd_s0 ^ odd);
+            const float z0 = half_of_word(words[WG_COLS + row0], odd_z0 ^ odd);
+            const float s8 = half_of_word(words[row0 + 8], odd_s8 ^ odd);
+            const float z8 = half_of_word(words[WG_COLS + row0 + 8], odd_z8 ^ odd);
+            const float* S = (const float*)(st_ptr + sums_at) + h * BM + 2 * t;
+#pragma unroll
+            for (int c = 0; c < ACC / 4; c++) {
+                const float2 sv = *(const float2*)(S + 8 * c);
+                float* d = seg + 4 * c;
+                const float* q = tq + 4 * c;
+                d[0] = fmaf(s0, q[0], fmaf(z0, sv.x, d[0]));
+                d[1] = fmaf(s0, q[1], fmaf(z0, sv.y, d[1]));
+                d[2] = fmaf(s8, q[2], fmaf(z8, sv.x, d[2]));
+                d[3] = fmaf(s8, q[3], fmaf(z8, sv.y, d[3]));
+            }
+            fresh = 1;
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        const bool last = j + 1 == tiles;
+        if (!last && (k0 + 64) % GEMM_SEGMENT != 0) continue;
+        // A segment ends: its sums join those before it, in order from zero.
+#pragma unroll
+        for (int i = 0; i < ACC; i++) {
+            float* slot = before + i * WG_THREADS;
+            const float sum = __fadd_rn(k0 < GEMM_SEGMENT ? 0.0f : *slot, seg[i]);
+            seg[i] = 0.0f;
+            if (!last) {
+                *slot = sum;
+                continue;
+            }
+            const int n = nb + row0 + (i & 2 ? 8 : 0), m = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
+            if (m < M && n < N) {
+                const size_t at = (size_t)m * N + n;
+                out[at] = accumulate ? __fadd_rn(out[at], sum) : sum;
+            }
+        }
+    }
+    wgmma_wait<0>();
+#endif
+}
+
 // grid (ceil(N / TILED_COLS), ceil(M / (64 WM))), 128 WM threads. `sz` holds the scales
 // [N][K / group] and `zeros` the zeros (passed apart so that a launch can cover a range of a
 // weight's rows).
@@ -762,6 +1084,16 @@ extern "C" __global__ void __launch_bounds__(256)
         gemm_split<B, MT>(X, M, K, W, sz, zeros, N, group, stream, parts);                         \
     }
 
+// grid (ceil(N / WG_COLS), ceil(M / BM)), WG_THREADS threads; the arguments of gemm_tiled_b* up
+// to `group`, then gemm_unit_sums' S and its row stride, `out` and `accumulate`.
+#define GEMM_WGMMA_KERNEL(B, BM)                                                                   \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                    \
+        gemm_wgmma_b##B##_m##BM(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
+                                const f16_t* zeros, int N, int group, const float* sums, int ld,  \
+                                float* out, int accumulate) {                                      \
+        gemm_wgmma<B, BM>(X, M, K, W, sz, zeros, N, group, sums, ld, out, accumulate);             \
+    }
+
 GEMM_TILED_KERNEL(16, 1)
 GEMM_TILED_KERNEL(16, 2)
 GEMM_TILED_KERNEL(4, 1)
@@ -786,3 +1118,7 @@ GEMM_SPLIT_KERNEL(4, 4)
 GEMM_SPLIT_KERNEL(2, 1)
 GEMM_SPLIT_KERNEL(2, 2)
 GEMM_SPLIT_KERNEL(2, 4)
+GEMM_WGMMA_KERNEL(4, 64)
+GEMM_WGMMA_KERNEL(4, 128)
+GEMM_WGMMA_KERNEL(2, 64)
+GEMM_WGMMA_KERNEL(2, 128)

@@ -7,7 +7,7 @@ kernel that does still compiles the way it will at run time). Each `.cu` file is
 own for every architecture asked for, with the options the library uses (src/backend/cuda/kernels.rs),
 and to a cubin, so that the PTX assembler checks the inline PTX too.
 
-usage: nvrtc_check.py --site DIR [--arch sm_80 --arch sm_90] [--dir cuda]
+usage: nvrtc_check.py --site DIR [--arch sm_80 --arch sm_90a] [--dir cuda]
 """
 
 import argparse
@@ -89,7 +89,7 @@ def main():
     ap.add_argument("--arch", action="append", default=[])
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(__file__), "..", "cuda"))
     args = ap.parse_args()
-    archs = args.arch or ["sm_80", "sm_90"]
+    archs = args.arch or ["sm_80", "sm_90a"]
     nvrtc, lib = load_nvrtc(args.site)
     major, minor = ctypes.c_int(), ctypes.c_int()
     nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))

@@ -245,7 +245,7 @@ step_python() {
     local kernels
     kernels="$(grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-' <<<"$listing")"
     if scripts/ship-kernels --wanted; then
-        [ "$kernels" = 2 ] || { echo "the wheel lacks the sm_80 and sm_90 kernels"; return 1; }
+        [ "$kernels" = 2 ] || { echo "the wheel lacks the sm_80 and sm_90a kernels"; return 1; }
     else
         [ "$kernels" = 0 ] || { echo "the wheel ships kernels it was not asked for"; return 1; }
     fi

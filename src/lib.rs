@@ -173,7 +173,7 @@ pub struct ModelInfo {
     pub weight_bytes: usize,
     pub load_ms: f64,
     /// CUDA only: how this open obtained the kernels ("disk cache hit (3.1 ms)", "compiled by
-    /// NVRTC 13.0 for sm_90 in 9000 ms, cached in ...", "already loaded in this process").
+    /// NVRTC 13.0 for sm_90a in 9000 ms, cached in ...", "already loaded in this process").
     pub kernels: Option<String>,
     /// CUDA only: milliseconds this open spent compiling or loading kernels (part of `load_ms`).
     pub kernel_ms: f64,

@@ -132,6 +132,26 @@ fn tiled_gemm_threads(rows: usize) -> usize {
     32 * (rows / 64) * 4
 }
 
+/// The blocks of rows of X for a block-tile kernel whose blocks take `cols` weight rows and one
+/// of `block_rows` (ascending) rows of X: the index of the largest that fits (`fits`) and gives
+/// every one of `sms` SMs a block, else of the smallest that fits; `None` where even that leaves
+/// more than half of the SMs idle or nothing fits.
+fn row_blocks(
+    rows: usize,
+    n: usize,
+    cols: usize,
+    block_rows: &[usize],
+    sms: usize,
+    fits: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    let blocks = |r: usize| n.div_ceil(cols) * rows.div_ceil(r);
+    let i = (0..block_rows.len())
+        .rev()
+        .filter(|&i| fits(block_rows[i]))
+        .find(|&i| blocks(block_rows[i]) >= sms || i == 0)?;
+    (2 * blocks(block_rows[i]) >= sms).then_some(i)
+}
+
 /// How `gemm_tiled` covers a product of many rows: blocks of 128 rows of X where they give
 /// every SM a block, else of 64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,14 +171,10 @@ impl TiledGemmPlan {
         if rows <= MMA_ROWS {
             return None;
         }
-        let blocks = |r: usize| n.div_ceil(TILED_GEMM_COLS) * rows.div_ceil(r);
-        let fits = |&i: &usize| tiled_gemm_smem(bits, TILED_GEMM_ROWS[i]) <= smem_limit;
-        let i = (0..TILED_GEMM_ROWS.len())
-            .rev()
-            .filter(fits)
-            .find(|&i| blocks(TILED_GEMM_ROWS[i]) >= sms || i == 0)?;
+        let fits = |r| tiled_gemm_smem(bits, r) <= smem_limit;
+        let i = row_blocks(rows, n, TILED_GEMM_COLS, &TILED_GEMM_ROWS, sms, fits)?;
         let r = TILED_GEMM_ROWS[i];
-        (2 * blocks(r) >= sms).then(|| TiledGemmPlan {
+        Some(TiledGemmPlan {
             rows_index: i,
             threads: tiled_gemm_threads(r) as u32,
             smem: tiled_gemm_smem(bits, r),
@@ -172,6 +188,95 @@ impl TiledGemmPlan {
 
     pub fn grid(&self) -> (u32, u32, u32) {
         self.grid
+    }
+}
+
+/// `gemm_wgmma`'s quantized widths and rows of X per block, in index order, its weight rows per
+/// block (two warpgroups of 64) and its threads (cuda/gemm.cu `WG_COLS`, `WG_THREADS`).
+pub(crate) const WGMMA_GEMM_BITS: [u32; 2] = [4, 2];
+pub(crate) const WGMMA_GEMM_ROWS: [usize; 2] = [64, 128];
+const WGMMA_GEMM_COLS: usize = 128;
+pub(crate) const WGMMA_GEMM_THREADS: u32 = 256;
+/// Stages in `gemm_wgmma`'s ring (cuda/gemm.cu `WG_STAGES`).
+const WGMMA_GEMM_STAGES: usize = 5;
+
+/// Bytes of one stage of `gemm_wgmma` (cuda/gemm.cu `wg_stage_bytes`): X in rows of 128 bytes,
+/// the codes (INT4 rows padded to 48 bytes), the scale and zero words of both 32-wide halves, and
+/// S of both halves; a multiple of 1024 bytes.
+fn wgmma_stage_bytes(bits: u32, rows: usize) -> usize {
+    let code_row = if bits == 4 { 48 } else { 16 };
+    let bytes = rows * 128 + WGMMA_GEMM_COLS * code_row + 4 * WGMMA_GEMM_COLS * 4 + 2 * rows * 4;
+    bytes.next_multiple_of(1024)
+}
+
+/// Dynamic shared memory of `gemm_wgmma` for blocks of `rows` rows of X: 1024 bytes of alignment
+/// slack, the ring, then each thread's `rows / 2` sums of the segments before the current one.
+pub(crate) fn wgmma_gemm_smem(bits: u32, rows: usize) -> usize {
+    1024 + WGMMA_GEMM_STAGES * wgmma_stage_bytes(bits, rows)
+        + WGMMA_GEMM_THREADS as usize * rows / 2 * 4
+}
+
+/// How `gemm_wgmma` covers a product of many rows on a GPU with wgmma (sm_90a): blocks of 128
+/// rows of X where they give every SM a block, else of 64; `gemm_unit_sums` first writes the S
+/// of every unit, `sums_ld` floats per 32-wide K tile, to the backend's scratch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WgmmaGemmPlan {
+    /// Index into [`WGMMA_GEMM_BITS`].
+    pub bits_index: usize,
+    /// Index into [`WGMMA_GEMM_ROWS`].
+    pub rows_index: usize,
+    pub smem: usize,
+    pub sums_ld: usize,
+    grid: (u32, u32, u32),
+    sums_grid: (u32, u32, u32),
+}
+
+impl WgmmaGemmPlan {
+    /// The plan, or `None` for f16 weights, K not a multiple of 64, products whose blocks of 64
+    /// rows would leave more than half of the `sms` SMs idle, blocks that do not fit in
+    /// `smem_limit`, or S that does not fit in `sums_capacity` floats.
+    pub fn new(
+        shape: ProductShape,
+        sms: usize,
+        smem_limit: usize,
+        sums_capacity: usize,
+    ) -> Option<Self> {
+        let ProductShape {
+            bits, rows, n, k, ..
+        } = shape;
+        let bits_index = WGMMA_GEMM_BITS.iter().position(|&b| b == bits)?;
+        let sums_ld = rows.next_multiple_of(4);
+        if k % 64 != 0 || sums_ld * (k / 32) > sums_capacity {
+            return None;
+        }
+        let fits = |r| wgmma_gemm_smem(bits, r) <= smem_limit;
+        let i = row_blocks(rows, n, WGMMA_GEMM_COLS, &WGMMA_GEMM_ROWS, sms, fits)?;
+        let r = WGMMA_GEMM_ROWS[i];
+        Some(WgmmaGemmPlan {
+            bits_index,
+            rows_index: i,
+            smem: wgmma_gemm_smem(bits, r),
+            sums_ld,
+            grid: (
+                n.div_ceil(WGMMA_GEMM_COLS) as u32,
+                rows.div_ceil(r) as u32,
+                1,
+            ),
+            sums_grid: (
+                k.div_ceil(GEMM_SEGMENT) as u32,
+                rows.div_ceil(8 * MMA_ROWS) as u32,
+                1,
+            ),
+        })
+    }
+
+    pub fn grid(&self) -> (u32, u32, u32) {
+        self.grid
+    }
+
+    /// `gemm_unit_sums`' grid (a warp per 16 rows and segment, 8 warps a block).
+    pub fn sums_grid(&self) -> (u32, u32, u32) {
+        self.sums_grid
     }
 }
 
@@ -396,6 +501,10 @@ pub(crate) struct Kernels {
     /// the kernel that adds their segments.
     pub gemm_split: [[sys::CUfunction; 3]; 3],
     pub gemm_segments_sum: sys::CUfunction,
+    /// `[WGMMA_GEMM_BITS index][WGMMA_GEMM_ROWS index]`: products of many rows on sm_90a (empty
+    /// kernels elsewhere), and the S of their units.
+    pub gemm_wgmma: [[sys::CUfunction; 2]; 2],
+    pub gemm_unit_sums: sys::CUfunction,
     pub linear_generic: sys::CUfunction,
     /// `[dj index]`: over f16 entries, and over quantized entries.
     pub attention: [sys::CUfunction; 4],
@@ -428,7 +537,9 @@ impl Kernels {
             .flatten();
         let norms = [&self.norm_rows, &self.norm_state_rows];
         let products = self.gemm_small.iter().chain(&self.gemm_split).flatten();
-        let products = products.chain(self.gemm_tiled.iter().flatten());
+        let products = products
+            .chain(self.gemm_tiled.iter().flatten())
+            .chain(self.gemm_wgmma.iter().flatten());
         let staged = self.flash_attention.iter().chain(products);
         let others = norms.into_iter().chain(staged.clone());
         for f in all.chain(norm).chain(others) {
@@ -462,6 +573,17 @@ fn set_attribute(
         .map_err(|e| device_error("cuFuncSetAttribute", e))
 }
 
+/// The NVRTC target for compute capability `arch`: 9.0 takes the architecture-specific sm_90a,
+/// whose wgmma the many-row GEMM needs (its cubins load on 9.0 devices only, which is all it is
+/// chosen for); others their plain target.
+pub(crate) fn arch_name(arch: (i32, i32)) -> String {
+    let specific = if arch == WGMMA_ARCH { "a" } else { "" };
+    format!("sm_{}{}{specific}", arch.0, arch.1)
+}
+
+/// The compute capability whose kernels have wgmma ([`arch_name`]).
+pub(crate) const WGMMA_ARCH: (i32, i32) = (9, 0);
+
 /// Load the kernels for `arch`: from the disk cache when possible, otherwise compiled by NVRTC
 /// (and then cached). Returns the kernels and a note saying which happened and how long it took.
 pub(crate) fn load(
@@ -470,7 +592,7 @@ pub(crate) fn load(
     options: &KernelOptions,
 ) -> Result<(Kernels, String)> {
     let start = Instant::now();
-    let arch_name = format!("sm_{}{}", arch.0, arch.1);
+    let arch_name = arch_name(arch);
     let defines = &options.defines;
     // Says why shipped cubins were passed over, ahead of the note of what was done instead.
     let mut skipped = String::new();
@@ -961,6 +1083,15 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
+    let by_wgmma_rows = || -> Result<[[sys::CUfunction; 2]; 2]> {
+        let mut out = [[std::ptr::null_mut(); 2]; 2];
+        for (i, bits) in WGMMA_GEMM_BITS.iter().enumerate() {
+            for (j, rows) in WGMMA_GEMM_ROWS.iter().enumerate() {
+                out[i][j] = get(GEMM, &format!("gemm_wgmma_b{bits}_m{rows}"))?;
+            }
+        }
+        Ok(out)
+    };
     let loaded = (|| {
         Ok(Kernels {
             modules: modules.clone(),
@@ -985,6 +1116,8 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemm_small: by_tiles("gemm_small")?,
             gemm_split: by_tiles("gemm_split")?,
             gemm_segments_sum: get(GEMM, "gemm_segments_sum")?,
+            gemm_wgmma: by_wgmma_rows()?,
+            gemm_unit_sums: get(GEMM, "gemm_unit_sums")?,
             linear_generic: get(GEMV, "linear_generic")?,
             attention: [
                 get(ATTENTION, "attention_dj1")?,
@@ -1151,6 +1284,54 @@ mod tests {
     }
 
     #[test]
+    fn wgmma_gemm_plan_takes_quantized_products_of_many_rows() {
+        let shape = |bits, rows, n, k| ProductShape {
+            bits,
+            rows,
+            n,
+            k,
+            group: 128,
+        };
+        let sums = 1 << 20;
+        // 2048 rows by 2048 outputs: 16 x 16 blocks of 128 rows; S of 2048 rows (already a
+        // multiple of 4) for each of the 64 32-wide tiles of K.
+        let p = WgmmaGemmPlan::new(shape(4, 2048, 2048, 2048), SMS, SMEM, sums).unwrap();
+        assert_eq!((WGMMA_GEMM_ROWS[p.rows_index], p.sums_ld), (128, 2048));
+        assert_eq!((p.grid(), p.sums_grid()), ((16, 16, 1), (8, 16, 1)));
+        // 510 rows of INT2: blocks of 64 rows fill the SMs where 128 would not; S rows padded
+        // to 512 floats.
+        let p = WgmmaGemmPlan::new(shape(2, 510, 2048, 2048), SMS, SMEM, sums).unwrap();
+        assert_eq!((p.bits_index, WGMMA_GEMM_ROWS[p.rows_index]), (1, 64));
+        assert_eq!((p.grid(), p.sums_ld), ((16, 8, 1), 512));
+        // Not for f16 weights, K off the 64-wide tiles, too few blocks, S beyond the scratch, or
+        // blocks beyond the shared memory.
+        assert_eq!(
+            WgmmaGemmPlan::new(shape(16, 2048, 2048, 2048), SMS, SMEM, sums),
+            None
+        );
+        assert_eq!(
+            WgmmaGemmPlan::new(shape(4, 2048, 2048, 2080), SMS, SMEM, sums),
+            None
+        );
+        assert_eq!(
+            WgmmaGemmPlan::new(shape(4, 256, 2048, 2048), SMS, SMEM, sums),
+            None
+        );
+        assert_eq!(
+            WgmmaGemmPlan::new(shape(4, 2048, 2048, 2048), SMS, SMEM, 65536),
+            None
+        );
+        assert_eq!(
+            WgmmaGemmPlan::new(shape(4, 2048, 2048, 2048), SMS, 99 * 1024, sums),
+            None
+        );
+        // INT4, 128 rows: 5 stages of 16 KB of X, 48-byte code rows, the words and S, rounded
+        // to 1 KB; then 64 sums for each of 256 threads, after 1 KB of alignment slack.
+        let stage = (128 * 128 + 128 * 48 + 4 * 128 * 4 + 2 * 128 * 4_usize).next_multiple_of(1024);
+        assert_eq!(wgmma_gemm_smem(4, 128), 1024 + 5 * stage + 256 * 64 * 4);
+    }
+
+    #[test]
     fn small_gemm_plan_keeps_its_stages_in_shared_memory() {
         for bits in BITS {
             for rows in [1, 16, 17, 33, 64, 300] {
@@ -1277,7 +1458,7 @@ mod tests {
             );
             return;
         }
-        for arch in ["sm_80", "sm_90"] {
+        for arch in ["sm_80", "sm_90a"] {
             let cubins = compile(arch, &[]).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(cubins.len(), PROGRAMS.len());
             for cubin in &cubins {

@@ -6,7 +6,9 @@ use std::sync::OnceLock;
 
 use super::blas::Output;
 use super::driver::{Arg, DevBuf};
-use super::kernels::{self, ProductShape, SmallGemmPlan, SplitGemmPlan, TiledGemmPlan};
+use super::kernels::{
+    self, ProductShape, SmallGemmPlan, SplitGemmPlan, TiledGemmPlan, WgmmaGemmPlan,
+};
 use super::{blocks_for, CudaBackend};
 use crate::backend::{Backend, HostLinear, NormLayer, OwnedLinear, Residual};
 use crate::error::{Error, Result};
@@ -286,7 +288,8 @@ impl CudaBackend {
             acc,
         ];
         // Split by segment wherever the partial sums fit in the scratch; otherwise block tiles
-        // over all of K where they fill the GPU, blocks of 16 weight rows where they do not.
+        // over all of K where they fill the GPU (wgmma's on sm_90a, where the units' S fits in
+        // the scratch), blocks of 16 weight rows where they do not.
         let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
         let shape = ProductShape {
             bits: w.bits,
@@ -298,6 +301,11 @@ impl CudaBackend {
         let (_, parts) = self.gemm_parts();
         if let Some(plan) = SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
             return self.split_product(&args, rows * n, plan, w, out, accumulate);
+        }
+        if self.gpu.arch == kernels::WGMMA_ARCH {
+            if let Some(plan) = WgmmaGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
+                return self.wgmma_product(&args, plan);
+            }
         }
         if let Some(plan) = TiledGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit) {
             return self.run(
@@ -320,6 +328,33 @@ impl CudaBackend {
             plan.smem,
             &args,
         )
+    }
+
+    /// A product of many rows on wgmma ([`WgmmaGemmPlan`]): the S of every unit into the
+    /// scratch's partial sums, then the product. `args` are `gemm_b*`'s.
+    fn wgmma_product(&self, args: &[Arg], plan: WgmmaGemmPlan) {
+        let k = &self.gpu.kernels;
+        let (sums, _) = self.gemm_parts();
+        let (x, rows, cols, group) = (args[0], args[1], args[2], args[7]);
+        let sums_args = [x, rows, cols, group, Arg::usize(plan.sums_ld), Arg::P(sums)];
+        self.run(
+            "gemm_unit_sums",
+            k.gemm_unit_sums,
+            plan.sums_grid(),
+            256,
+            0,
+            &sums_args,
+        );
+        let mut product_args = args[..8].to_vec();
+        product_args.extend([Arg::P(sums), Arg::usize(plan.sums_ld), args[9], args[10]]);
+        self.run(
+            "gemm_wgmma",
+            k.gemm_wgmma[plan.bits_index][plan.rows_index],
+            plan.grid(),
+            kernels::WGMMA_GEMM_THREADS,
+            plan.smem,
+            &product_args,
+        );
     }
 
     /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into the
