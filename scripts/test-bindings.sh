@@ -243,7 +243,7 @@ step_python() {
     grep -q ' *tinyloop_py/libtinyloop.so ' <<<"$listing" \
         || { echo "no libtinyloop.so in the wheel"; return 1; }
     local kernels
-    kernels="$(grep -c 'tinyloop_py/tinyloop/kernels/tinyloop-sm_[89]0-' <<<"$listing")"
+    kernels="$(grep -cE 'tinyloop_py/tinyloop/kernels/tinyloop-sm_(80|90a)-' <<<"$listing")"
     if scripts/ship-kernels --wanted; then
         [ "$kernels" = 2 ] || { echo "the wheel lacks the sm_80 and sm_90a kernels"; return 1; }
     else

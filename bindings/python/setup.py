@@ -3,7 +3,7 @@
 The metadata is in pyproject.toml. Building the package also builds the library: `cargo build
 --release` in the TinyLoop checkout this folder belongs to (a no-op when target/release, or
 CARGO_TARGET_DIR, is fresh), then libtinyloop.so is copied into the package, with the CUDA kernels
-precompiled for sm_80 and sm_90 when scripts/ship-kernels ships them (TINYLOOP_SHIP_KERNELS=1,
+precompiled for sm_80 and sm_90a when scripts/ship-kernels ships them (TINYLOOP_SHIP_KERNELS=1,
 or an NVIDIA driver on this machine). `pip install -v` shows the build's progress. The wheel is
 tagged for this platform but any Python 3: the binding is plain ctypes.
 """
