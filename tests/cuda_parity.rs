@@ -328,12 +328,14 @@ fn cuda_linear_matches_cpu() {
     ));
 }
 
-/// A row's product is the same bits whatever rows are computed with it, across the three GEMM
-/// kernels (block tiles over all of K where they fill the GPU: the 300-row products here;
-/// blocks per segment where their partial sums fit in the backend's scratch: the fewer rows of
-/// the wide products and every run of the narrow ones; blocks of 16 weight rows otherwise) and
-/// every row-tile count of the small ones (1, 2 and 4 MMA tiles per block), for K of one
-/// segment, several, and more segments than one block's warps take in a wave.
+/// A row's product is the same bits whatever rows are computed with it, across the GEMM kernels
+/// (block tiles over all of K where they fill the GPU: the 300-row products here, `wgmma`'s on
+/// sm_90a in blocks of 64 rows and, at N = 5632, of 128; blocks per segment where their partial
+/// sums fit in the backend's scratch: the fewer rows of the wide products and every run of the
+/// narrow ones; blocks of 16 weight rows otherwise) and every row-tile count of the small ones
+/// (1, 2 and 4 MMA tiles per block), for K of one segment, several, and more segments than one
+/// block's warps take in a wave, and for units of a group of 128, of 64 and 32 (several a K
+/// tile), and of 160 (groups cut by segments).
 #[test]
 fn cuda_product_rows_do_not_depend_on_the_rows_with_them() {
     if !cuda_or_skip("cuda_product_rows_do_not_depend_on_the_rows_with_them") {
@@ -347,6 +349,10 @@ fn cuda_product_rows_do_not_depend_on_the_rows_with_them() {
         (4096, 2560, 128),
         (520, 2048, 64),
         (96, 4608, 128),
+        (5632, 256, 128),
+        (2048, 1024, 32),
+        (2048, 2048, 64),
+        (2048, 2560, 160),
     ] {
         for bits in [16, 4, 2] {
             let (dtype, group_size, bytes) = host_weight(&mut rng, n, k, bits, g);
