@@ -25,7 +25,11 @@
 // Inside a block each warp takes 32 positions at a time, one per lane: the lane computes q . k
 // for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
 // then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
-// f16 once, after the final division, like the CPU reference.
+// f16 once, after the final division, like the CPU reference. Quantized entries are read so that
+// the loads of many positions are in flight together: a lane holds consecutive head dimensions
+// (a position's codes for them in one load), loads for eight positions are issued before any is
+// used (the code and scale kinds pick widths and addresses, not branches), and codes become f32
+// by byte permutes instead of integer conversions (exact, so the sums are unchanged).
 #include "kv.cuh"
 
 #define ATT_THREADS 128
@@ -81,9 +85,10 @@ struct QuantKv {
     int first, count, stride;
 };
 
-// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes. With
-// `vec` (hd a multiple of 32) every 16-byte word of the row is loaded before the first product,
-// so the row costs one memory latency: at most 2 * DJ words of INT8 codes (hd <= 32 * DJ).
+// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes, summed in
+// element order. With `vec` (hd a multiple of 32) every 16-byte word of the row is loaded before
+// the first product, so the row costs one memory latency: at most 2 * DJ words of INT8 codes
+// (hd <= 32 * DJ).
 template <int DJ>
 DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
     float dot = 0.0f;
@@ -100,18 +105,52 @@ DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
     for (int c = 0; c < 2 * DJ; c++) {
         if (c >= words) break;
         const u32 ws[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
-        if (codes == KV_I8) {
+        const int per = codes == KV_I8 ? 4 : 8; // codes per 32-bit word
 #pragma unroll
-            for (int b = 0; b < 16; b++)
-                dot = fmaf(sq[16 * c + b], (float)(signed char)(ws[b >> 2] >> (8 * (b & 3))), dot);
-        } else {
-#pragma unroll
-            for (int b = 0; b < 32; b++)
-                dot = fmaf(sq[32 * c + b], (float)((int)((ws[b >> 3] >> (4 * (b & 7))) & 15u) - 8),
-                           dot);
+        for (int i = 0; i < 4; i++) {
+            const float* q = sq + (4 * c + i) * per;
+            const float4 qa = *(const float4*)q;
+            if (codes == KV_I8) {
+                const u32 biased = ws[i] ^ 0x80808080u;
+                dot = fmaf(qa.x, i8_code(biased, 0), dot);
+                dot = fmaf(qa.y, i8_code(biased, 1), dot);
+                dot = fmaf(qa.z, i8_code(biased, 2), dot);
+                dot = fmaf(qa.w, i8_code(biased, 3), dot);
+            } else {
+                const float4 qb = *(const float4*)(q + 4);
+                dot = fmaf(qa.x, i4_code(ws[i], 0), dot);
+                dot = fmaf(qa.y, i4_code(ws[i], 1), dot);
+                dot = fmaf(qa.z, i4_code(ws[i], 2), dot);
+                dot = fmaf(qa.w, i4_code(ws[i], 3), dot);
+                dot = fmaf(qb.x, i4_code(ws[i], 4), dot);
+                dot = fmaf(qb.y, i4_code(ws[i], 5), dot);
+                dot = fmaf(qb.z, i4_code(ws[i], 6), dot);
+                dot = fmaf(qb.w, i4_code(ws[i], 7), dot);
+            }
         }
     }
     return dot;
+}
+
+// A lane's V codes for head dimensions first .. first + DJ of a quantized row (DJ consecutive
+// elements: DJ bytes of INT8 codes, or DJ / 2 bytes of INT4 codes, the byte that holds the
+// element for DJ = 1), in one load whose width the code kind picks without a branch.
+template <int BYTES> DEV uint2 load_bytes(const u8* p) {
+    if (BYTES == 8) return *(const uint2*)p;
+    if (BYTES == 4) return make_uint2(*(const u32*)p, 0u);
+    if (BYTES == 2) return make_uint2(*(const unsigned short*)p, 0u);
+    return make_uint2(*p, 0u);
+}
+
+template <int DJ> DEV uint2 lane_codes(const u8* row, int first, int codes) {
+    return codes == KV_I8 ? load_bytes<DJ>(row + first) : load_bytes<(DJ + 1) / 2>(row + first / 2);
+}
+
+// Element j of lane_codes' word as f32; `nibble` is the nibble of element 0 (first & 1 for INT4
+// codes with DJ = 1, else 0).
+DEV float lane_code(uint2 raw, int j, int codes, int nibble) {
+    if (codes == KV_I8) return i8_code((j < 4 ? raw.x : raw.y) ^ 0x80808080u, j & 3);
+    return i4_code(raw.x, nibble + j);
 }
 
 template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
@@ -186,6 +225,10 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 #pragma unroll
     for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
     const bool vec = (hd & 7) == 0;
+    // Quantized entries: a lane holds head dimensions d0 .. d0 + DJ (consecutive, so that one
+    // load brings a position's codes), read as whole words where hd is a multiple of 32.
+    const bool qvec = (hd & 31) == 0;
+    const int d0 = DJ * lane, nibble = DJ == 1 ? lane & 1 : 0;
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
@@ -199,8 +242,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             for (int j = 0; j < qk.count; j++) {
                 const long long slot_at = (long long)(qk.first + j * qk.stride) * qk.d.slot_bytes;
                 const float ks = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
-                dot = fmaf(ks, dot_codes<DJ>(sq, k0 + slot_at, hd, (int)tr.codes, (hd & 31) == 0),
-                           dot);
+                dot = fmaf(ks, dot_codes<DJ>(sq, k0 + slot_at, hd, (int)tr.codes, qvec), dot);
             }
             score = reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
             v_codes[warp][lane] = tr.codes_off[1] + ring_t * tr.row_bytes;
@@ -256,26 +298,38 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 for (int j = 0; j < DJ; j++) v[jj][j] = 0.0f;
             for (int c = 0; c < qk.count; c++) {
                 const long long slot_at = (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
-                float vs[8], code[8][DJ];
+                // First every load (a lane's DJ consecutive head dimensions of each position),
+                // then the conversions, so that the eight positions cost one memory latency.
+                u32 sbits[8];
+                uint2 raw[8];
+                int kinds[8];
 #pragma unroll
                 for (int jj = 0; jj < 8; jj++) {
                     const int pj = (j0 + jj) & 31;
                     const bool valid = j0 + jj < count;
-                    const int kinds = v_kinds[warp][pj];
+                    kinds[jj] = v_kinds[warp][pj];
                     const u8* vr = qk.base + v_codes[warp][pj] + slot_at;
-                    vs[jj] = valid ? kv_scale_value(qk.base + v_scales[warp][pj] + slot_at, kvh,
-                                                    kinds >> 4)
-                                   : 0.0f;
-#pragma unroll
-                    for (int j = 0; j < DJ; j++) {
-                        const int d = lane + 32 * j;
-                        code[jj][j] = valid && d < hd ? kv_code(vr, kvh * hd + d, kinds & 15) : 0.0f;
-                    }
+                    const u8* vsc = qk.base + v_scales[warp][pj] + slot_at;
+                    sbits[jj] = valid ? kv_scale_bits(vsc, kvh, kinds[jj] >> 4) : 0u;
+                    raw[jj] = valid && qvec ? lane_codes<DJ>(vr, kvh * hd + d0, kinds[jj] & 15)
+                                            : make_uint2(0u, 0u);
                 }
 #pragma unroll
-                for (int jj = 0; jj < 8; jj++)
+                for (int jj = 0; jj < 8; jj++) {
+                    const bool valid = j0 + jj < count;
+                    const int codes = kinds[jj] & 15;
+                    const float vs = valid ? kv_scale_of(sbits[jj], kinds[jj] >> 4) : 0.0f;
 #pragma unroll
-                    for (int j = 0; j < DJ; j++) v[jj][j] += vs[jj] * code[jj][j];
+                    for (int j = 0; j < DJ; j++) {
+                        float code = 0.0f;
+                        if (valid && d0 + j < hd) {
+                            const u8* vr = qk.base + v_codes[warp][(j0 + jj) & 31] + slot_at;
+                            code = qvec ? lane_code(raw[jj], j, codes, nibble)
+                                        : kv_code(vr, kvh * hd + d0 + j, codes);
+                        }
+                        v[jj][j] += vs * code;
+                    }
+                }
             }
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
@@ -318,7 +372,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         sl[warp] = l;
     }
 #pragma unroll
-    for (int j = 0; j < DJ; j++) sacc[warp][lane + 32 * j] = acc[j];
+    for (int j = 0; j < DJ; j++) sacc[warp][Q ? d0 + j : lane + 32 * j] = acc[j];
     __syncthreads();
     float M = NEG_INF;
     for (int w = 0; w < ATT_WARPS; w++)

@@ -80,14 +80,39 @@ DEV u32 e4m3_round_up(float x) {
     return (u32)(((e + 7) << 3) | m);
 }
 
-DEV float kv_scale_value(const u8* scales, int group, int kind) {
-    return kind == SCALE_F16 ? f16_to_f32(((const f16_t*)scales)[group]) : e4m3_value(scales[group]);
-}
 
 // Code i of a quantized row (I8 or I4), as f32.
 DEV float kv_code(const u8* row, int i, int codes) {
     if (codes == KV_I8) return (float)(signed char)row[i];
     return (float)((int)((row[i >> 1] >> (4 * (i & 1))) & 15u) - 8);
+}
+
+// Byte b (0..3) of a word of INT8 codes as f32, given the word with every byte biased by 128
+// (w ^ 0x80808080): the biased byte becomes the low mantissa of 2^23 and 2^23 + 128 is taken
+// away. Exact, so equal to the integer conversion, in two instructions off the conversion pipe.
+DEV float i8_code(u32 biased, int b) {
+    return __int_as_float(__byte_perm(biased, 0x4B000000u, 0x7440u | (u32)b)) - 8388736.0f;
+}
+
+// Nibble n (0..7) of a word of INT4 codes (code + 8) as f32, exactly, the same way.
+DEV float i4_code(u32 w, int n) {
+    return __int_as_float(0x4B000000u | ((w >> (4 * n)) & 15u)) - 8388616.0f;
+}
+
+// The bits of a group's scale (f16 or E4M3). The kind picks the address and the width without a
+// branch, so the loads of several positions can all be in flight before the first is used.
+DEV u32 kv_scale_bits(const u8* scales, int group, int kind) {
+    const bool wide = kind == SCALE_F16;
+    const u8* at = scales + (wide ? 2 * group : group);
+    return wide ? (u32)*(const unsigned short*)at : (u32)*at;
+}
+
+DEV float kv_scale_of(u32 bits, int kind) {
+    return kind == SCALE_F16 ? f16_to_f32((f16_t)bits) : e4m3_value(bits);
+}
+
+DEV float kv_scale_value(const u8* scales, int group, int kind) {
+    return kv_scale_of(kv_scale_bits(scales, group, kind), kind);
 }
 
 // The stored value of element i (within the whole row) of (tensor, slot, t), group `group`.

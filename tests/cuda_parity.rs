@@ -809,6 +809,8 @@ fn cuda_kv_modes_match_cpu() {
                 (4, 2, 16),
                 (8, 8, 64),
                 (16, 16, 128),
+                (4, 2, 32),  // one head dimension per lane, whole words of codes
+                (2, 1, 256), // eight per lane
                 (4, 1, 24),
                 (2, 1, 6), // head_dim % 4 != 0: rope_kv's one-pair-per-thread path
             ]

@@ -287,9 +287,11 @@ impl CudaBackend {
             Arg::P(out),
             acc,
         ];
-        // Split by segment wherever the partial sums fit in the scratch; otherwise block tiles
-        // over all of K where they fill the GPU (wgmma's on sm_90a, where the units' S fits in
-        // the scratch), blocks of 16 weight rows where they do not.
+        // wgmma's blocks on sm_90a for a whole block of rows (64) or more, where they fill the
+        // GPU and the units' S fits in the scratch; otherwise split by segment wherever the partial
+        // sums fit; then wgmma for fewer rows; then block tiles over all of K where they fill the
+        // GPU, blocks of 16 weight rows where they do not. Every kernel sums a row's products in
+        // one order, so the choice never changes a row's bits.
         let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
         let shape = ProductShape {
             bits: w.bits,
@@ -299,13 +301,20 @@ impl CudaBackend {
             group: w.group_arg(),
         };
         let (_, parts) = self.gemm_parts();
-        if let Some(plan) = SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
-            return self.split_product(&args, rows * n, plan, w, out, accumulate);
-        }
-        if self.gpu.arch == kernels::WGMMA_ARCH {
-            if let Some(plan) = WgmmaGemmPlan::new(shape, self.gpu.sms, smem_limit, parts) {
+        let wgmma = (self.gpu.arch == kernels::WGMMA_ARCH)
+            .then(|| WgmmaGemmPlan::new(shape, self.gpu.sms, smem_limit, parts))
+            .flatten();
+        match (
+            wgmma,
+            SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts),
+        ) {
+            (Some(plan), split) if rows >= kernels::WGMMA_GEMM_ROWS[0] || split.is_none() => {
                 return self.wgmma_product(&args, plan);
             }
+            (_, Some(plan)) => {
+                return self.split_product(&args, rows * n, plan, w, out, accumulate)
+            }
+            _ => {}
         }
         if let Some(plan) = TiledGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit) {
             return self.run(
