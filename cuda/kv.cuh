@@ -80,7 +80,6 @@ DEV u32 e4m3_round_up(float x) {
     return (u32)(((e + 7) << 3) | m);
 }
 
-
 // Code i of a quantized row (I8 or I4), as f32.
 DEV float kv_code(const u8* row, int i, int codes) {
     if (codes == KV_I8) return (float)(signed char)row[i];
