@@ -229,6 +229,10 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     // load brings a position's codes), read as whole words where hd is a multiple of 32.
     const bool qvec = (hd & 31) == 0;
     const int d0 = DJ * lane, nibble = DJ == 1 ? lane & 1 : 0;
+    // Lanes past hd (hd 96 with four per lane: lanes 24..31; only DJ >= 4 leaves any where hd is
+    // a multiple of 32) hold no dimension; they read the head's first codes, whose values they
+    // never use, rather than beyond the head's codes.
+    const int d_load = DJ < 4 || d0 < hd ? d0 : 0;
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
@@ -311,7 +315,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                     const u8* vr = qk.base + v_codes[warp][pj] + slot_at;
                     const u8* vsc = qk.base + v_scales[warp][pj] + slot_at;
                     sbits[jj] = valid ? kv_scale_bits(vsc, kvh, kinds[jj] >> 4) : 0u;
-                    raw[jj] = valid && qvec ? lane_codes<DJ>(vr, kvh * hd + d0, kinds[jj] & 15)
+                    raw[jj] = valid && qvec ? lane_codes<DJ>(vr, kvh * hd + d_load, kinds[jj] & 15)
                                             : make_uint2(0u, 0u);
                 }
 #pragma unroll

@@ -811,6 +811,7 @@ fn cuda_kv_modes_match_cpu() {
                 (16, 16, 128),
                 (4, 2, 32),  // one head dimension per lane, whole words of codes
                 (2, 1, 256), // eight per lane
+                (2, 1, 96),  // four per lane, lanes 24..31 without one (Huginn's head dimension)
                 (4, 1, 24),
                 (2, 1, 6), // head_dim % 4 != 0: rope_kv's one-pair-per-thread path
             ]
