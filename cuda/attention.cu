@@ -6,7 +6,8 @@
 // grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..=row_position(r) of
 // its sequence, read from the step block in device memory (so a captured decode graph replays at
 // any position); in a step over a KV pool each row reads its own sequence's entries through its
-// page table (common.cuh `entry_index`). With splits > 1 each block takes one slice of the
+// page table (common.cuh `row_pages`, found once per block; the pass over V reuses the entry
+// indices that the pass over K looked up). With splits > 1 each block takes one slice of the
 // positions and writes a partial (max, sum, un-normalized output); the last of the split blocks
 // to finish merges them (flash-decoding, with the combine fused through a ticket counter). The
 // slices are the positions cut in `splits` (span 0), or in slices of `span` positions, of which
@@ -169,6 +170,8 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     // scales, and the tier's kinds), written by the lane that owns the position.
     __shared__ long long v_codes[ATT_WARPS][32], v_scales[ATT_WARPS][32];
     __shared__ int v_kinds[ATT_WARPS][32];
+    // f16 entries: where each warp's 32 positions are (their entry index), likewise.
+    __shared__ int v_entries[ATT_WARPS][32];
     if (Q && threadIdx.x < 3) st[threadIdx.x] = kv_tier(qk.d, threadIdx.x);
     kernel_start();
     const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
@@ -181,6 +184,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     const int t_begin = s * per;
     const int t_end = min(total, t_begin + per);
     const int kvh = h / (n_heads / n_kv_heads);
+    const RowPages pages = row_pages(step, r);
     const size_t base = (size_t)slot * slot_stride + (size_t)kvh * hd;
     const f16_t* K = kc + base;
     const f16_t* V = vc + base;
@@ -207,7 +211,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         }
         __syncthreads();
         if (own >= 0 && h % (n_heads / n_kv_heads) == 0) {
-            const size_t entry = (size_t)entry_index(step, r, own) * kv_dim;
+            const size_t entry = (size_t)entry_at(pages, own) * kv_dim;
             f16_t* kd = (f16_t*)K + entry;
             f16_t* vd = (f16_t*)V + entry;
             for (int i = threadIdx.x; i < hd; i += blockDim.x) {
@@ -238,7 +242,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         float score = NEG_INF;
         if (Q && t < t_end) {
             const KvTierDesc& tr = st[kv_tier_of(t, step)];
-            const int ring_t = kv_ring(entry_index(step, r, t), tr.ring);
+            const int ring_t = kv_ring(entry_at(pages, t), tr.ring);
             const int gb = kv_group_bytes((int)tr.codes, hd);
             const u8* k0 = qk.base + tr.codes_off[0] + ring_t * tr.row_bytes + (size_t)kvh * gb;
             const u8* s0 = qk.base + tr.scales_off[0] + ring_t * tr.scale_row_bytes;
@@ -253,7 +257,9 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
             v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
         } else if (!Q && t < t_end) {
-            const f16_t* k = t == own ? sk : K + (size_t)entry_index(step, r, t) * kv_dim;
+            const int e = entry_at(pages, t);
+            v_entries[warp][lane] = e;
+            const f16_t* k = t == own ? sk : K + (size_t)e * kv_dim;
             float dot = 0.0f;
             if (vec) {
                 // All of the row's 16-byte loads first (hd <= 32 * DJ), then the products.
@@ -291,7 +297,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         for (int j = 0; j < DJ; j++) acc[j] *= corr;
         const int count = min(32, t_end - t0);
         // p * v over the chunk's positions, eight positions' loads in flight at a time.
-        if (Q) __syncwarp();
+        __syncwarp();
         for (int j0 = 0; Q && j0 < count; j0 += 8) {
             // The chain's entries of eight positions: every load of one chain slot is issued
             // before the first is used.
@@ -344,14 +350,14 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 }
             }
         }
-        if (Q) __syncwarp();
+        __syncwarp();
         for (int j0 = 0; !Q && j0 < count; j0 += 8) {
             f16_t v[8][DJ];
 #pragma unroll
             for (int jj = 0; jj < 8; jj++) {
                 const int tv = t0 + j0 + jj;
-                const f16_t* vr = tv == own ? sv
-                                  : V + (size_t)entry_index(step, r, min(tv, t_end - 1)) * kv_dim;
+                const int at = min(tv, t_end - 1) - t0;
+                const f16_t* vr = tv == own ? sv : V + (size_t)v_entries[warp][at] * kv_dim;
 #pragma unroll
                 for (int j = 0; j < DJ; j++) {
                     const int d = lane + 32 * j;

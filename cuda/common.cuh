@@ -39,15 +39,27 @@ DEV int row_position(const int* step, int r) {
     return step[STEP_PAGE_SIZE] ? step[step[STEP_PLACES] + r] : step[STEP_START_POS] + r;
 }
 
-// Where the entry of position t of row r's sequence is in the cache: t itself, or in a step
-// over a KV pool its page's index times the page size plus its place in the page.
-DEV int entry_index(const int* step, int r, int t) {
+// Row r's pages in a step over a KV pool (page 0: the step has no pool), read once so that a
+// kernel looking up many positions does not repeat the chain of loads that finds the table.
+struct RowPages {
+    int page;
+    const int* table;
+};
+
+DEV RowPages row_pages(const int* step, int r) {
     const int page = step[STEP_PAGE_SIZE];
-    if (page == 0) return t;
+    if (page == 0) return {0, nullptr};
     const int* places = step + step[STEP_PLACES];
-    const int* table = places + places[step[STEP_ROWS] + r];
-    return table[t / page] * page + t % page;
+    return {page, places + places[step[STEP_ROWS] + r]};
 }
+
+// Where the entry of position t is in the cache: t itself, or in a step over a KV pool its
+// page's index times the page size plus its place in the page.
+DEV int entry_at(const RowPages& p, int t) {
+    return p.page == 0 ? t : p.table[t / p.page] * p.page + t % p.page;
+}
+
+DEV int entry_index(const int* step, int r, int t) { return entry_at(row_pages(step, r), t); }
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
