@@ -735,6 +735,22 @@ extern "C" __global__ void __launch_bounds__(256)
     out[i] = accumulate ? __fadd_rn(out[i], total) : total;
 }
 
+// out[i] = f16(silu(gate) * up) for the segments' sums of element i of gate and up (each as
+// gemm_segments_sum adds them, then as swiglu combines them), for a gate and up split by segment.
+extern "C" __global__ void __launch_bounds__(256)
+    swiglu_segments(const float* __restrict__ gate, const float* __restrict__ up, int segments,
+                    int MN, f16_t* __restrict__ out) {
+    kernel_start();
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= MN) return;
+    float g = 0.0f, u = 0.0f;
+    for (int s = 0; s < segments; s++) {
+        g = __fadd_rn(g, gate[(size_t)s * MN + i]);
+        u = __fadd_rn(u, up[(size_t)s * MN + i]);
+    }
+    out[i] = f32_to_f16(silu_mul(g, u));
+}
+
 // Products of many rows on Hopper (sm_90a), where wgmma feeds the tensor cores from shared
 // memory at a rate mma.sync cannot reach. The weights are wgmma's A operand, from registers, and
 // X its B operand, from shared memory: the codes become f16 fragments on their way from shared

@@ -371,8 +371,8 @@ pub(crate) fn split_gemm_smem(bits: u32, tiles: usize, warps: usize, group: usiz
 }
 
 /// The per-segment sums one row of the block products of a model with `config` needs at most
-/// (N times the segments of K, over QKV, the output, gate and up, down and the loop adapter; the
-/// head is left to the unsplit kernels).
+/// (N times the segments of K, over QKV, the output, gate and up side by side, down and the loop
+/// adapter; the head is left to the unsplit kernels).
 pub(crate) fn split_parts_per_row(config: &ModelConfig) -> usize {
     let (d, f) = (config.dim, config.ffn_dim);
     let qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim();
@@ -380,7 +380,7 @@ pub(crate) fn split_parts_per_row(config: &ModelConfig) -> usize {
     [
         qkv * segments(d),
         d * segments(d),
-        f * segments(d),
+        2 * f * segments(d),
         d * segments(f),
         d * segments(2 * d),
     ]
@@ -501,6 +501,7 @@ pub(crate) struct Kernels {
     /// the kernel that adds their segments.
     pub gemm_split: [[sys::CUfunction; 3]; 3],
     pub gemm_segments_sum: sys::CUfunction,
+    pub swiglu_segments: sys::CUfunction,
     /// `[WGMMA_GEMM_BITS index][WGMMA_GEMM_ROWS index]`: products of many rows on sm_90a (empty
     /// kernels elsewhere), and the S of their units.
     pub gemm_wgmma: [[sys::CUfunction; 2]; 2],
@@ -1116,6 +1117,7 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemm_small: by_tiles("gemm_small")?,
             gemm_split: by_tiles("gemm_split")?,
             gemm_segments_sum: get(GEMM, "gemm_segments_sum")?,
+            swiglu_segments: get(GEMM, "swiglu_segments")?,
             gemm_wgmma: by_wgmma_rows()?,
             gemm_unit_sums: get(GEMM, "gemm_unit_sums")?,
             linear_generic: get(GEMV, "linear_generic")?,

@@ -41,6 +41,18 @@ impl CudaLinear {
     fn params(&self) -> u64 {
         self.buf.ptr + self.params_offset as u64
     }
+    /// Where weight row `first`'s codes, scales and zeros are.
+    fn rows_at(&self, first: usize) -> (u64, u64, u64) {
+        let groups = if self.bits == 16 {
+            1
+        } else {
+            self.cols / self.group
+        };
+        let codes = self.ptr() + (first * self.cols * self.bits as usize / 8) as u64;
+        let scales = self.params() + (first * groups * 2) as u64;
+        let zeros = self.params() + ((self.rows + first) * groups * 2) as u64;
+        (codes, scales, zeros)
+    }
     fn bits_index(&self) -> usize {
         kernels::BITS
             .iter()
@@ -251,10 +263,7 @@ impl CudaBackend {
             return;
         }
         let n = range.len();
-        let groups = if w.bits == 16 { 1 } else { w.cols / w.group };
-        let scales = w.params() + (range.start * groups * 2) as u64;
-        let zeros = w.params() + ((w.rows + range.start) * groups * 2) as u64;
-        let codes = w.ptr() + (range.start * w.cols * w.bits as usize / 8) as u64;
+        let (codes, scales, zeros) = w.rows_at(range.start);
         let acc = Arg::I(accumulate as i32);
         let k = &self.gpu.kernels;
         if !w.fast {
@@ -274,48 +283,20 @@ impl CudaBackend {
             let grid = (n.div_ceil(8) as u32, rows as u32, 1);
             return self.run("linear_generic", k.linear_generic, grid, 256, 0, &args);
         }
-        let args = [
-            Arg::P(x),
-            Arg::usize(rows),
-            Arg::usize(w.cols),
-            Arg::P(codes),
-            Arg::P(scales),
-            Arg::P(zeros),
-            Arg::usize(n),
-            Arg::usize(w.group_arg()),
-            Arg::I(w.streamed.load(Ordering::Relaxed) as i32),
-            Arg::P(out),
-            acc,
-        ];
-        // wgmma's blocks on sm_90a for a whole block of rows (64) or more, where they fill the
-        // GPU and the units' S fits in the scratch; otherwise split by segment wherever the partial
-        // sums fit; then wgmma for fewer rows; then block tiles over all of K where they fill the
-        // GPU, blocks of 16 weight rows where they do not. Every kernel sums a row's products in
-        // one order, so the choice never changes a row's bits.
-        let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
-        let shape = ProductShape {
-            bits: w.bits,
-            rows,
-            n,
-            k: w.cols,
-            group: w.group_arg(),
-        };
-        let (_, parts) = self.gemm_parts();
-        let wgmma = (self.gpu.arch == kernels::WGMMA_ARCH)
-            .then(|| WgmmaGemmPlan::new(shape, self.gpu.sms, smem_limit, parts))
-            .flatten();
-        match (
-            wgmma,
-            SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts),
-        ) {
-            (Some(plan), split) if rows >= kernels::WGMMA_GEMM_ROWS[0] || split.is_none() => {
-                return self.wgmma_product(&args, plan);
+        let args = gemm_args(x, rows, w, range.start, n, out, accumulate);
+        // The block kernels ([`Self::block_plan`]), then block tiles over all of K where they
+        // fill the GPU, blocks of 16 weight rows where they do not. Every kernel sums a row's
+        // products in one order, so the choice never changes a row's bits.
+        let (parts, floats) = self.gemm_parts();
+        match self.block_plan(rows, w, n, floats) {
+            Some(BlockPlan::Wgmma(plan)) => return self.wgmma_product(&args, plan),
+            Some(BlockPlan::Split(plan)) => {
+                self.split_product(&args, plan, w, parts);
+                return self.segments_sum(parts, plan.segments, rows * n, out, accumulate);
             }
-            (_, Some(plan)) => {
-                return self.split_product(&args, rows * n, plan, w, out, accumulate)
-            }
-            _ => {}
+            None => {}
         }
+        let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
         if let Some(plan) = TiledGemmPlan::new(w.bits, rows, n, self.gpu.sms, smem_limit) {
             return self.run(
                 "gemm_tiled",
@@ -337,6 +318,35 @@ impl CudaBackend {
             plan.smem,
             &args,
         )
+    }
+
+    /// The block kernel a product of `rows` rows by `n` weight rows of `w` takes, with `parts`
+    /// floats of the scratch for its partial sums: wgmma's blocks on sm_90a for a whole block of
+    /// rows (64) or more, where they fill the GPU and the units' S fits; otherwise split by
+    /// segment wherever the partial sums fit; then wgmma for fewer rows; else none (the tiled and
+    /// small kernels).
+    fn block_plan(&self, rows: usize, w: &CudaLinear, n: usize, parts: usize) -> Option<BlockPlan> {
+        let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
+        let shape = ProductShape {
+            bits: w.bits,
+            rows,
+            n,
+            k: w.cols,
+            group: w.group_arg(),
+        };
+        let wgmma = (self.gpu.arch == kernels::WGMMA_ARCH)
+            .then(|| WgmmaGemmPlan::new(shape, self.gpu.sms, smem_limit, parts))
+            .flatten();
+        match (
+            wgmma,
+            SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts),
+        ) {
+            (Some(plan), split) if rows >= kernels::WGMMA_GEMM_ROWS[0] || split.is_none() => {
+                Some(BlockPlan::Wgmma(plan))
+            }
+            (_, Some(plan)) => Some(BlockPlan::Split(plan)),
+            _ => None,
+        }
     }
 
     /// A product of many rows on wgmma ([`WgmmaGemmPlan`]): the S of every unit into the
@@ -366,19 +376,10 @@ impl CudaBackend {
         );
     }
 
-    /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into the
-    /// scratch's partial sums, then added in order into `out`. `args` are `gemm_b*`'s.
-    fn split_product(
-        &self,
-        args: &[Arg],
-        outputs: usize,
-        plan: SplitGemmPlan,
-        w: &CudaLinear,
-        out: u64,
-        accumulate: bool,
-    ) {
+    /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into
+    /// `parts` (`[segment][row][column]`), which the caller adds. `args` are `gemm_b*`'s.
+    fn split_product(&self, args: &[Arg], plan: SplitGemmPlan, w: &CudaLinear, parts: u64) {
         let k = &self.gpu.kernels;
-        let (parts, _) = self.gemm_parts();
         let mut split_args = args[..9].to_vec();
         split_args.push(Arg::P(parts));
         self.run(
@@ -389,14 +390,19 @@ impl CudaBackend {
             plan.smem,
             &split_args,
         );
+    }
+
+    /// `out` (+)= the in-order sums of `segments` partial sums of `outputs` floats at `parts`.
+    fn segments_sum(&self, parts: u64, segments: usize, outputs: usize, out: u64, acc: bool) {
         let sum_args = [
             Arg::P(parts),
-            Arg::usize(plan.segments),
+            Arg::usize(segments),
             Arg::usize(outputs),
             Arg::P(out),
-            Arg::I(accumulate as i32),
+            Arg::I(acc as i32),
         ];
         let grid = (outputs.div_ceil(256) as u32, 1, 1);
+        let k = &self.gpu.kernels;
         self.run(
             "gemm_segments_sum",
             k.gemm_segments_sum,
@@ -405,6 +411,52 @@ impl CudaBackend {
             0,
             &sum_args,
         );
+    }
+
+    /// Gate and up of `rows` rows split by segment, their sums side by side in the scratch, then
+    /// one kernel that adds each one's segments in order and applies SwiGLU: the values of two
+    /// `gemm_segments_sum` and `swiglu`, in one launch instead of three. Runs (and returns true)
+    /// only where both products would take the split kernel anyway and both sums fit.
+    fn split_swiglu(
+        &self,
+        x: u64,
+        rows: usize,
+        gate: &CudaLinear,
+        up: &CudaLinear,
+        out: u64,
+    ) -> bool {
+        if !same_shape(gate, up) || self.has_fp16_product(gate) || self.has_fp16_product(up) {
+            return false;
+        }
+        let (parts, floats) = self.gemm_parts();
+        let n = gate.rows;
+        let half = floats / 2 / 64 * 64;
+        let plan = match (
+            self.block_plan(rows, gate, n, floats),
+            self.block_plan(rows, gate, n, half),
+        ) {
+            (Some(BlockPlan::Split(plan)), Some(BlockPlan::Split(_))) => plan,
+            _ => return false,
+        };
+        let up_parts = parts + half as u64 * 4;
+        self.split_product(&gemm_args(x, rows, gate, 0, n, 0, false), plan, gate, parts);
+        self.split_product(&gemm_args(x, rows, up, 0, n, 0, false), plan, up, up_parts);
+        let len = rows * n;
+        self.run(
+            "swiglu_segments",
+            self.gpu.kernels.swiglu_segments,
+            (len.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(parts),
+                Arg::P(up_parts),
+                Arg::usize(plan.segments),
+                Arg::usize(len),
+                Arg::P(out),
+            ],
+        );
+        true
     }
 
     /// Whether one row's norm can be fused into the GEMV of `w` (decode): the normalizing
@@ -553,7 +605,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::mlp_gate_up`]: gate and up in one GEMV (SiLU fused) when they fit, else two
-    /// products and a SwiGLU kernel.
+    /// products split by segment whose sums one kernel adds and combines
+    /// ([`Self::split_swiglu`]), else two products and a SwiGLU kernel.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gate_up(
         &self,
@@ -613,6 +666,9 @@ impl CudaBackend {
                 );
             }
             None => {
+                if self.split_swiglu(x.ptr, rows, gate, up, out.ptr) {
+                    return;
+                }
                 self.matmul(x.ptr, rows, gate, gate_buf.ptr, false);
                 self.matmul(x.ptr, rows, up, up_buf.ptr, false);
                 let len = rows * gate.rows;
@@ -632,6 +688,39 @@ impl CudaBackend {
             }
         }
     }
+}
+
+/// The arguments of the `gemm_b*` kernels for a product of `rows` rows of X at `x` by the `n`
+/// weight rows of `w` from row `first`.
+fn gemm_args(
+    x: u64,
+    rows: usize,
+    w: &CudaLinear,
+    first: usize,
+    n: usize,
+    out: u64,
+    accumulate: bool,
+) -> [Arg; 11] {
+    let (codes, scales, zeros) = w.rows_at(first);
+    [
+        Arg::P(x),
+        Arg::usize(rows),
+        Arg::usize(w.cols),
+        Arg::P(codes),
+        Arg::P(scales),
+        Arg::P(zeros),
+        Arg::usize(n),
+        Arg::usize(w.group_arg()),
+        Arg::I(w.streamed.load(Ordering::Relaxed) as i32),
+        Arg::P(out),
+        Arg::I(accumulate as i32),
+    ]
+}
+
+/// A product's block kernel ([`CudaBackend::block_plan`]).
+enum BlockPlan {
+    Wgmma(WgmmaGemmPlan),
+    Split(SplitGemmPlan),
 }
 
 /// Threads per output row for a GEMV over `units` 16-byte units per row and `n` rows: up to `cap`
