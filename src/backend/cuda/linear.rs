@@ -263,27 +263,18 @@ impl CudaBackend {
             return;
         }
         let n = range.len();
-        let (codes, scales, zeros) = w.rows_at(range.start);
-        let acc = Arg::I(accumulate as i32);
         let k = &self.gpu.kernels;
+        let args = gemm_args(x, rows, w, range.start, n, out, accumulate);
         if !w.fast {
+            // gemm_b*'s arguments with the bits after the zeros and no stream hint (args[8]).
+            let a = args;
+            let bits = Arg::I(w.bits as i32);
             let args = [
-                Arg::P(x),
-                Arg::usize(rows),
-                Arg::usize(w.cols),
-                Arg::P(codes),
-                Arg::P(scales),
-                Arg::P(zeros),
-                Arg::I(w.bits as i32),
-                Arg::usize(n),
-                Arg::usize(w.group_arg()),
-                Arg::P(out),
-                acc,
+                a[0], a[1], a[2], a[3], a[4], a[5], bits, a[6], a[7], a[9], a[10],
             ];
             let grid = (n.div_ceil(8) as u32, rows as u32, 1);
             return self.run("linear_generic", k.linear_generic, grid, 256, 0, &args);
         }
-        let args = gemm_args(x, rows, w, range.start, n, out, accumulate);
         // The block kernels ([`Self::block_plan`]), then block tiles over all of K where they
         // fill the GPU, blocks of 16 weight rows where they do not. Every kernel sums a row's
         // products in one order, so the choice never changes a row's bits.
