@@ -26,16 +26,20 @@
 // Inside a block each warp takes 32 positions at a time, one per lane: the lane computes q . k
 // for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
 // then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
-// f16 once, after the final division, like the CPU reference. Quantized entries are read so that
-// the loads of many positions are in flight together: a lane holds consecutive head dimensions
-// (a position's codes for them in one load), loads for eight positions are issued before any is
-// used (the code and scale kinds pick widths and addresses, not branches), and codes become f32
-// by byte permutes instead of integer conversions (exact, so the sums are unchanged).
+// f16 once, after the final division, like the CPU reference. V is read so that the loads of
+// many positions are in flight together: a lane holds consecutive head dimensions (a position's
+// values or codes for them in one load), loads for 8 to 16 positions are issued before any is
+// used (for codes, the code and scale kinds pick widths and addresses, not branches), and codes
+// become f32 by byte permutes instead of integer conversions (exact, so the sums are unchanged).
 #include "kv.cuh"
 
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_MAX_HD 256
+// Blocks an SM keeps of the f16-entry kernels: five up to hd 128 (a register or two spilled at
+// most), which their short blocks (one pass over 32 positions per warp in an engine's slices)
+// need to cover the loads' latency.
+#define ATT_BLOCKS(DJ) ((DJ) <= 4 ? 5 : 1)
 
 // Whether position t reached the iteration `need` under the depth mask (always without one).
 DEV bool reached(const unsigned* depth, unsigned need, int t) { return !depth || depth[t] >= need; }
@@ -143,6 +147,44 @@ template <int BYTES> DEV uint2 load_bytes(const u8* p) {
     return make_uint2(*p, 0u);
 }
 
+// A lane's DJ consecutive f16 values of a row (f16 entries' V), as words of two.
+template <int DJ> struct Halves {
+    u32 w[(DJ + 1) / 2];
+};
+
+template <int DJ> DEV float half_at(const Halves<DJ>& v, int j) {
+    return j & 1 ? hi_f16(v.w[j / 2]) : lo_f16(v.w[j / 2]);
+}
+
+// Values first .. first + DJ of `row`: one load where `whole` (hd a multiple of DJ, so the lane's
+// values are aligned and inside the head), else one per value inside the head (the rest zero).
+template <int DJ> DEV Halves<DJ> lane_halves(const f16_t* row, int first, int hd, bool whole) {
+    Halves<DJ> v;
+    if (whole) {
+        const f16_t* p = row + first;
+        if constexpr (DJ == 8) {
+            const uint4 x = *(const uint4*)p;
+            v.w[0] = x.x, v.w[1] = x.y, v.w[2] = x.z, v.w[3] = x.w;
+        } else if constexpr (DJ == 4) {
+            const uint2 x = *(const uint2*)p;
+            v.w[0] = x.x, v.w[1] = x.y;
+        } else if constexpr (DJ == 2) {
+            v.w[0] = *(const u32*)p;
+        } else {
+            v.w[0] = *(const unsigned short*)p;
+        }
+        return v;
+    }
+#pragma unroll
+    for (int i = 0; i < (DJ + 1) / 2; i++) {
+        const int d = first + 2 * i;
+        const u32 lo = d < hd ? *(const unsigned short*)(row + d) : 0u;
+        const u32 hi = d + 1 < hd ? *(const unsigned short*)(row + d + 1) : 0u;
+        v.w[i] = lo | hi << 16;
+    }
+    return v;
+}
+
 template <int DJ> DEV uint2 lane_codes(const u8* row, int first, int codes) {
     return codes == KV_I8 ? load_bytes<DJ>(row + first) : load_bytes<(DJ + 1) / 2>(row + first / 2);
 }
@@ -229,14 +271,15 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 #pragma unroll
     for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
     const bool vec = (hd & 7) == 0;
-    // Quantized entries: a lane holds head dimensions d0 .. d0 + DJ (consecutive, so that one
-    // load brings a position's codes), read as whole words where hd is a multiple of 32.
-    const bool qvec = (hd & 31) == 0;
+    // A lane holds head dimensions d0 .. d0 + DJ of V (consecutive, so that one load brings a
+    // position's values): quantized codes as whole words where hd is a multiple of 32, f16
+    // values where hd is a multiple of DJ.
+    const bool qvec = (hd & 31) == 0, vwhole = hd % DJ == 0;
     const int d0 = DJ * lane, nibble = DJ == 1 ? lane & 1 : 0;
-    // Lanes past hd (hd 96 with four per lane: lanes 24..31; only DJ >= 4 leaves any where hd is
-    // a multiple of 32) hold no dimension; they read the head's first codes, whose values they
-    // never use, rather than beyond the head's codes.
-    const int d_load = DJ < 4 || d0 < hd ? d0 : 0;
+    // Lanes past hd (hd 96 with four per lane: lanes 24..31; for codes only DJ >= 4 leaves any,
+    // as they need hd a multiple of 32) hold no dimension; they read the head's first values,
+    // which they never use, rather than beyond the head.
+    const int d_load = DJ < 4 || d0 < hd ? d0 : 0, v_first = d0 < hd ? d0 : 0;
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
@@ -350,26 +393,25 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 }
             }
         }
+        // p * v over the chunk's positions: a position's V is one load per lane (its DJ head
+        // dimensions), V_ROUND positions' loads in flight at a time.
         __syncwarp();
-        for (int j0 = 0; !Q && j0 < count; j0 += 8) {
-            f16_t v[8][DJ];
+        constexpr int V_ROUND = DJ >= 4 ? 8 : 16;
+        for (int j0 = 0; !Q && j0 < count; j0 += V_ROUND) {
+            Halves<DJ> v[V_ROUND];
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++) {
+            for (int jj = 0; jj < V_ROUND; jj++) {
                 const int tv = t0 + j0 + jj;
                 const int at = min(tv, t_end - 1) - t0;
                 const f16_t* vr = tv == own ? sv : V + (size_t)v_entries[warp][at] * kv_dim;
-#pragma unroll
-                for (int j = 0; j < DJ; j++) {
-                    const int d = lane + 32 * j;
-                    v[jj][j] = (j0 + jj < count && d < hd) ? vr[d] : (f16_t)0;
-                }
+                v[jj] = lane_halves<DJ>(vr, vwhole ? v_first : d0, hd, vwhole);
             }
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++) {
+            for (int jj = 0; jj < V_ROUND; jj++) {
                 const float pj = __shfl_sync(0xffffffffu, p, (j0 + jj) & 31);
                 if (j0 + jj < count) {
 #pragma unroll
-                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, f16_to_f32(v[jj][j]), acc[j]);
+                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, half_at(v[jj], j), acc[j]);
                 }
             }
         }
@@ -382,7 +424,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         sl[warp] = l;
     }
 #pragma unroll
-    for (int j = 0; j < DJ; j++) sacc[warp][Q ? d0 + j : lane + 32 * j] = acc[j];
+    for (int j = 0; j < DJ; j++) sacc[warp][d0 + j] = acc[j];
     __syncthreads();
     float M = NEG_INF;
     for (int w = 0; w < ATT_WARPS; w++)
@@ -424,7 +466,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 // grid (n_heads, rows, splits), ATT_THREADS threads. f16 entries of `slot` (K at kc + slot *
 // slot_stride, V likewise), positions kv_dim apart. `depth`: the depth mask, or null.
 #define ATTENTION_KERNEL(DJ)                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_dj##DJ(                    \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BLOCKS(DJ)) attention_dj##DJ(    \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
         const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, int span,   \
         f16_t* out, float* partial, int* tickets, const float* rope, const unsigned* depth,        \

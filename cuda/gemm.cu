@@ -1091,10 +1091,14 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         gemm_small<B, MT>(X, M, K, W, sz, zeros, N, group, stream, out, accumulate, col_groups);   \
     }
 
+// Blocks of 8 warps an SM keeps: four up to two row tiles (64 registers), two for four (128), so
+// that the 512 blocks of an engine's wide products at 32 rows run in one wave.
+#define SPLIT_BLOCKS(MT) ((MT) <= 2 ? 4 : 2)
+
 // grid (ceil(N / (16 warps)), segments, ceil(M / (16 MT))), 32 warps threads (warps 4 or 8);
 // the arguments of gemm_tiled_b* up to `stream`, then the segments' partial sums.
 #define GEMM_SPLIT_KERNEL(B, MT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(256)                                              \
+    extern "C" __global__ void __launch_bounds__(256, SPLIT_BLOCKS(MT))                            \
         gemm_split_b##B##_m##MT(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
                                 const f16_t* zeros, int N, int group, int stream, float* parts) {  \
         gemm_split<B, MT>(X, M, K, W, sz, zeros, N, group, stream, parts);                         \

@@ -415,8 +415,10 @@ pub(crate) struct SplitGemmPlan {
 
 impl SplitGemmPlan {
     /// The plan for these shapes, or `None` when the partial sums need more than `parts_floats`
-    /// floats (or no block fits in `smem_limit`). Blocks of 8 warps where that still gives every
-    /// SM two blocks, else of 4.
+    /// floats (or no block fits in `smem_limit`). The fewest row tiles that cover the rows, in
+    /// blocks of 8 warps where that gives every SM two blocks, else of 4; where neither does,
+    /// fewer row tiles a block (more blocks, each reading the weights again from L2), down to
+    /// one tile of 4 warps.
     pub fn new(
         shape: ProductShape,
         sms: usize,
@@ -435,17 +437,22 @@ impl SplitGemmPlan {
             return None;
         }
         let wanted = rows.div_ceil(MMA_ROWS);
-        let ti = SMALL_GEMM_TILES
+        let first = SMALL_GEMM_TILES
             .iter()
             .position(|&t| t >= wanted)
             .unwrap_or(SMALL_GEMM_TILES.len() - 1);
+        let mut fitting = (0..=first)
+            .rev()
+            .flat_map(|ti| [(ti, 8), (ti, 4)])
+            .filter(|&(ti, w)| split_gemm_smem(bits, SMALL_GEMM_TILES[ti], w, group) <= smem_limit);
+        let blocks = |(ti, warps): (usize, usize)| {
+            n.div_ceil(16 * warps) * segments * rows.div_ceil(SMALL_GEMM_TILES[ti] * MMA_ROWS)
+        };
+        let (ti, warps) = fitting
+            .clone()
+            .find(|&plan| blocks(plan) >= 2 * sms)
+            .or_else(|| fitting.next_back())?;
         let tiles = SMALL_GEMM_TILES[ti];
-        let row_blocks = rows.div_ceil(tiles * MMA_ROWS);
-        let blocks = |warps: usize| n.div_ceil(16 * warps) * segments * row_blocks;
-        let warps = [8, 4]
-            .into_iter()
-            .filter(|&w| split_gemm_smem(bits, tiles, w, group) <= smem_limit)
-            .find(|&w| w == 4 || blocks(w) >= 2 * sms)?;
         Some(SplitGemmPlan {
             tiles_index: ti,
             warps,
@@ -454,7 +461,7 @@ impl SplitGemmPlan {
             grid: (
                 n.div_ceil(16 * warps) as u32,
                 segments as u32,
-                row_blocks as u32,
+                rows.div_ceil(tiles * MMA_ROWS) as u32,
             ),
         })
     }
@@ -1206,9 +1213,13 @@ mod tests {
             (2, 8, 8)
         );
         assert_eq!(p.grid(), (48, 8, 1));
-        // N 2048: 128 blocks of 8 warps would leave SMs with one; blocks of 4.
+        // N 2048: 128 blocks of 8 warps, or 256 of 4, would leave SMs with fewer than two; one
+        // row tile a block, 512 blocks of 4 warps.
         let p = SplitGemmPlan::new(shape(4, 32, 2048, 2048, 128), SMS, SMEM, PARTS).unwrap();
-        assert_eq!((p.warps, p.grid()), (4, (32, 8, 1)));
+        assert_eq!((p.tiles_index, p.warps, p.grid()), (0, 4, (32, 8, 2)));
+        // One row and N 512: nothing gives two blocks an SM; the most blocks, 4 warps.
+        let p = SplitGemmPlan::new(shape(4, 1, 512, 2048, 128), SMS, SMEM, PARTS).unwrap();
+        assert_eq!((p.tiles_index, p.warps, p.grid()), (0, 4, (8, 8, 1)));
         // A partial last segment, 100 rows in two row blocks of 64.
         let p = SplitGemmPlan::new(shape(2, 100, 4096, 2080, 32), SMS, SMEM, PARTS).unwrap();
         assert_eq!((p.segments, p.grid().2), (9, 2));
