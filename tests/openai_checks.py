@@ -96,6 +96,28 @@ def check_stop_strings(client, expected):
     assert r.choices[0].finish_reason == "stop"
 
 
+def check_token_ids(client, expected):
+    """``return_token_ids``: each choice also carries the ids of its tokens (for the byte-level
+    demo model, the bytes of its text), a stream's chunks those generated since the chunk
+    before; without the field a choice has none."""
+    text = expected("ROMEO:", 24)
+    extra = {"return_token_ids": True}
+    r = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=24, temperature=0,
+                                  extra_body=extra)
+    ids = r.choices[0].token_ids
+    assert r.choices[0].text == text and len(ids) == 24 and bytes(ids).decode() == text
+    chunks = list(client.completions.create(model="demo", prompt="ROMEO:", max_tokens=24,
+                                            temperature=0, stream=True, extra_body=extra))
+    pieces = [c.choices[0].token_ids for c in chunks]
+    assert all(pieces[:-1]) and pieces[-1] == [] and sum(pieces, []) == ids
+    messages = [{"role": "user", "content": "Speak, friend."}]
+    c = client.chat.completions.create(model="demo", messages=messages, max_tokens=8,
+                                       temperature=0, extra_body=extra)
+    assert bytes(c.choices[0].token_ids).decode() == c.choices[0].message.content
+    plain = client.completions.create(model="demo", prompt="ROMEO:", max_tokens=4, temperature=0)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+
+
 def check_bad_requests(client):
     """A bad field is a 400 whose message names it."""
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -104,6 +126,9 @@ def check_bad_requests(client):
         client.completions.create(model="demo", prompt="x", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="loops must be in"):
         client.completions.create(model="demo", prompt="x", max_tokens=2, extra_body={"loops": 0})
+    with pytest.raises(openai.BadRequestError, match="return_token_ids is 1: it must be true"):
+        client.completions.create(model="demo", prompt="x", max_tokens=2,
+                                  extra_body={"return_token_ids": 1})
     with pytest.raises(openai.BadRequestError, match="below vocab_size 256"):
         client.completions.create(model="demo", prompt=[1, 2, 300], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content must be a string"):

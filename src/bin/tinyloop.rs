@@ -621,6 +621,15 @@ enum ToolCommand {
         /// the tokenizer's.
         #[arg(long, value_name = "DIR")]
         tokenizer: Option<PathBuf>,
+        /// A vocabulary of N tokens instead of the preset's; the model then has no tokenizer
+        /// (unless N is 256: bytes) and takes and gives token ids only.
+        #[arg(
+            long,
+            value_name = "N",
+            conflicts_with = "tokenizer",
+            value_parser = whole::<usize>(1, MAX)
+        )]
+        vocab_size: Option<usize>,
         /// Seed of the random weights; the same seed writes the same file.
         #[arg(long, default_value_t = 0, value_parser = whole::<u64>(0, MAX))]
         seed: u64,
@@ -824,6 +833,7 @@ fn run_tool(cli: ToolCli) -> Result<()> {
         ToolCommand::Synth {
             preset,
             tokenizer,
+            vocab_size,
             seed,
             bits,
             group_size,
@@ -831,6 +841,7 @@ fn run_tool(cli: ToolCli) -> Result<()> {
         } => {
             let group_size = quantization_groups(bits, group_size)?;
             let mut config = synth::preset(&preset)?;
+            config.vocab_size = vocab_size.unwrap_or(config.vocab_size);
             let metadata = match &tokenizer {
                 Some(dir) => tinyloop::tokenizer::metadata_from_dir(dir)?,
                 None => serde_json::Map::new(),

@@ -50,6 +50,10 @@ def test_chat_completions_equal_one_engine_streamed_or_not(client, reference):
     openai_checks.check_chat(client, reference.completion)
 
 
+def test_choices_carry_their_token_ids_when_asked(client, reference):
+    openai_checks.check_token_ids(client, reference.completion)
+
+
 def test_stop_strings_end_the_text_before_them(client, reference):
     openai_checks.check_stop_strings(client, reference.completion)
 

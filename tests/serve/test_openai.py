@@ -1,6 +1,7 @@
 """`tinyloop MODEL serve` answers the official `openai` client: models, completions and chat
-completions (streamed and not), stop strings, bad requests, a bounded burst of concurrent
-clients, /metrics and /health, and a graceful shutdown that lets a running stream finish.
+completions (streamed and not), token ids, stop strings, bad requests, a bounded burst of
+concurrent clients, /metrics and /health, a graceful shutdown that lets a running stream finish,
+and a model without a tokenizer served by token ids.
 
 Run by scripts/test-bindings.sh (step `serve`) with TINYLOOP_BIN and TINYLOOP_DEMO_MODEL set; the
 server listens on 127.0.0.1 only and every request loop here is bounded. The checks shared with
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import urllib.request
 
+import openai
 import pytest
 
 import openai_checks
@@ -20,10 +22,10 @@ CLI = os.environ["TINYLOOP_BIN"]
 MODEL = os.environ["TINYLOOP_DEMO_MODEL"]
 
 
-def start_server(*args):
+def start_server(*args, model=MODEL):
     """A server on a free port of 127.0.0.1; returns (process, base URL)."""
     proc = subprocess.Popen(
-        [CLI, MODEL, "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "-q", *args],
+        [CLI, model, "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "-q", *args],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -66,6 +68,10 @@ def test_chat_completions_equal_the_cli_streamed_or_not(client):
     openai_checks.check_chat(client, generate)
 
 
+def test_choices_carry_their_token_ids_when_asked(client):
+    openai_checks.check_token_ids(client, generate)
+
+
 def test_stop_strings_end_the_text_before_them(client):
     openai_checks.check_stop_strings(client, generate)
 
@@ -106,3 +112,40 @@ def test_sigterm_lets_a_running_stream_finish():
     assert text == generate("ROMEO:", 64)
     assert rest[-1].choices[0].finish_reason == "length"
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory):
+    """A model of 384 token ids and no tokenizer, and a client of a server over it."""
+    path = str(tmp_path_factory.mktemp("models") / "no-tokenizer.tinyloop")
+    subprocess.run([CLI, "synth", "--preset", "tiny", "--vocab-size", "384", "--seed", "3",
+                    "--out", path], check=True, capture_output=True)
+    proc, url = start_server(model=path)
+    yield path, openai_checks.client_for(url)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids(no_tokenizer):
+    path, client = no_tokenizer
+    out = subprocess.run([CLI, path, "generate", "--tokens", "5,300,7", "--max-tokens", "12",
+                          "--json", "-q"], check=True, capture_output=True, text=True)
+    expected = json.loads(out.stdout)["tokens"]
+    r = client.completions.create(model="m", prompt=[5, 300, 7], max_tokens=12, temperature=0)
+    assert r.choices[0].token_ids == expected and r.choices[0].text == ""
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="m", prompt=[5, 300, 7], max_tokens=12,
+                                            temperature=0, stream=True))
+    assert [c.choices[0].token_ids for c in chunks] == [[t] for t in expected] + [[]]
+    assert all(c.choices[0].text == "" for c in chunks)
+    for call, message in [
+        (lambda: client.completions.create(model="m", prompt="text", max_tokens=2),
+         "the model has no tokenizer"),
+        (lambda: client.completions.create(model="m", prompt=[1], max_tokens=2, stop=["x"]),
+         "no tokenizer to find stop strings"),
+        (lambda: client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2),
+         "chat completions need a tokenizer"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            call()

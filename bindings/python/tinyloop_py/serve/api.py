@@ -6,8 +6,11 @@ Fields: ``prompt`` (a string, a one-string array, or an array of token ids) or `
 (``role`` and ``content`` strings), ``max_tokens`` (also ``max_completion_tokens``; default 16
 for completions, and for chat whatever fits in ``max_seq_len``), ``temperature`` (default 1; 0
 is greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4 strings), ``stream``, ``n`` (1
-only), and TinyLoop's ``loops`` and ``top_k``. Other fields (``model``, ``user``, ...) are
-accepted and ignored.
+only), ``return_token_ids`` (each choice also carries the ids of its tokens), and TinyLoop's
+``loops`` and ``top_k``. Other fields (``model``, ``user``, ...) are accepted and ignored.
+
+A model without a tokenizer takes token-id prompts only, with no ``messages`` and no ``stop``
+strings; its choices carry empty text and always their token ids.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class Job:
     loops: Optional[int]
     stop: List[str]
     stream: bool
+    return_token_ids: bool
 
     @property
     def route_text(self) -> str:
@@ -123,6 +127,7 @@ def parse(kind: str, body: Any) -> Job:
         loops=_uint(body, "loops"),
         stop=_stop_strings(body),
         stream=bool(_boolean(body, "stream")),
+        return_token_ids=bool(_boolean(body, "return_token_ids")),
     )
 
 
@@ -224,7 +229,8 @@ class Prompter:
     """Turns checked jobs into engine submissions for one model, as the Rust server does:
     completion text through the tokenizer with its special tokens; chat messages through the
     model's chat template (a byte-level model, which has none, takes them as ``role: content``
-    lines followed by ``assistant:``); the tokenizer's end-of-sequence ids as stop tokens."""
+    lines followed by ``assistant:``); the tokenizer's end-of-sequence ids as stop tokens. A
+    model without a tokenizer takes token ids only and gives its choices' token ids."""
 
     def __init__(self, model: Any, path: Union[str, "os.PathLike[str]"]):
         self.model = model
@@ -234,6 +240,7 @@ class Prompter:
         metadata = read_metadata(path)
         kind = metadata.get("tokenizer")
         self.byte_level = kind == "bytes" or (kind != "huggingface" and self.vocab_size == 256)
+        self.has_tokenizer = self.byte_level or kind == "huggingface"
         self.eos = self._eos(metadata) if kind == "huggingface" else []
 
     def _eos(self, metadata: Dict[str, Any]) -> List[int]:
@@ -247,7 +254,18 @@ class Prompter:
             token = token.get("content")
         return [self.model.special_token(token)] if isinstance(token, str) else []
 
+    def token_ids(self, job: Job) -> bool:
+        """Whether ``job``'s choices carry their token ids."""
+        return job.return_token_ids or not self.has_tokenizer
+
     def tokens(self, job: Job) -> List[int]:
+        if not self.has_tokenizer:
+            if job.messages is not None:
+                raise invalid("chat completions need a tokenizer and the model has none: "
+                              "send token ids to /v1/completions")
+            if job.stop:
+                raise invalid("stop is given, but the model has no tokenizer to find stop "
+                              "strings in its text")
         if job.messages is not None:
             if self.byte_level:
                 text = "".join(f"{r}: {c}\n" for r, c in job.messages) + "assistant:"
@@ -282,7 +300,8 @@ class Prompter:
         )
 
     def text_stream(self) -> "TextStream":
-        return TextStream(self.model)
+        """Text of the tokens; none for a model without a tokenizer."""
+        return TextStream(self.model if self.has_tokenizer else None)
 
 
 _REPLACEMENT = "\ufffd"
@@ -290,16 +309,19 @@ _REPLACEMENT = "\ufffd"
 
 class TextStream:
     """Tokens to text pieces of whole characters: a token that leaves a character unfinished
-    gives "" until the rest arrives. Special tokens are left out of the text."""
+    gives "" until the rest arrives. Special tokens are left out of the text. Without a model
+    (one without a tokenizer) every piece is ""."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Optional[Any]):
         self._model = model
         self._ids: List[int] = []
         self._context = 0
         self._context_text = ""
 
     def _decode(self, ids: List[int]) -> str:
-        return self._model.detokenize(ids, skip_special_tokens=True) if ids else ""
+        if not ids or self._model is None:
+            return ""
+        return self._model.detokenize(ids, skip_special_tokens=True)
 
     def push(self, token: int) -> str:
         self._ids.append(token)
@@ -382,20 +404,25 @@ class End:
 class Reply:
     """The fixed fields of one response and the bodies built from them."""
 
-    def __init__(self, kind: str, model: str, request_id: str):
+    def __init__(self, kind: str, model: str, request_id: str, token_ids: bool = False):
         self.kind = kind
         self.model = model
         self.id = f"{_ID_PREFIX[kind]}-{request_id}"
         self.created = int(time.time())
+        #: Whether each choice carries ``token_ids``.
+        self.token_ids = token_ids
 
-    def _envelope(self, obj: str, choice: Dict[str, Any]) -> Dict[str, Any]:
+    def _envelope(self, obj: str, choice: Dict[str, Any],
+                  tokens: Sequence[int]) -> Dict[str, Any]:
+        if self.token_ids:
+            choice["token_ids"] = list(tokens)
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
-    def chunk(self, text: str, finish: Optional[str] = None,
-              role: Optional[str] = None) -> Dict[str, Any]:
-        """A server-sent chunk: a piece of text, the chat's opening role, or (with ``finish``)
-        the end."""
+    def chunk(self, text: str, finish: Optional[str] = None, role: Optional[str] = None,
+              tokens: Sequence[int] = ()) -> Dict[str, Any]:
+        """A server-sent chunk: a piece of text (with the tokens generated since the previous
+        chunk), the chat's opening role, or (with ``finish``) the end."""
         if self.kind == COMPLETION:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         else:
@@ -405,16 +432,16 @@ class Reply:
             if text or role is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return self._envelope(_CHUNK_OBJECT[self.kind], choice)
+        return self._envelope(_CHUNK_OBJECT[self.kind], choice, tokens)
 
-    def complete(self, text: str, end: End) -> Dict[str, Any]:
+    def complete(self, text: str, end: End, tokens: Sequence[int] = ()) -> Dict[str, Any]:
         """The whole response of a request that was not streamed."""
         if self.kind == COMPLETION:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": end.finish}
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": end.finish}
-        body = self._envelope(_OBJECT[self.kind], choice)
+        body = self._envelope(_OBJECT[self.kind], choice, tokens)
         body["usage"] = {
             "prompt_tokens": end.prompt_tokens,
             "prompt_tokens_details": {"cached_tokens": end.cached_tokens},

@@ -166,8 +166,9 @@ class Options(BaseModel):
 
 class TinyLoopEngine:
     """One engine over one model. ``generate`` streams a request's events: first
-    ``{"accepted": replica}`` or ``{"error": [status, message]}``, then ``{"text": piece}``
-    items and an ``{"end": ...}`` or ``{"error": ...}``. Serve drains a stopping replica (it
+    ``{"accepted": replica, "token_ids": bool}`` (whether the pieces carry token ids) or
+    ``{"error": [status, message]}``, then ``{"text": piece, "tokens": ids}`` items and an
+    ``{"end": ...}`` or ``{"error": ...}``. Serve drains a stopping replica (it
     waits for the requests in flight, up to ``graceful_shutdown_timeout_s``) before it calls
     ``__del__``, which closes the engine."""
 
@@ -206,7 +207,8 @@ class TinyLoopEngine:
             e = api.from_library(e)
             yield {"error": [e.status, e.message]}
             return
-        yield {"accepted": self.replica}
+        token_ids = self.prompter.token_ids(job)
+        yield {"accepted": self.replica, "token_ids": token_ids}
         loop = asyncio.get_running_loop()
         pending: collections.deque = collections.deque()
         ready = asyncio.Event()
@@ -215,7 +217,7 @@ class TinyLoopEngine:
             pending.append(item)
             loop.call_soon_threadsafe(ready.set)
 
-        self._pool.submit(self._pump, request, job.stop, len(prompt), emit)
+        self._pool.submit(self._pump, request, job.stop, len(prompt), token_ids, emit)
         ended = False
         try:
             while not ended:
@@ -223,27 +225,33 @@ class TinyLoopEngine:
                 ready.clear()
                 while pending and not ended:
                     item = pending.popleft()
-                    # Text that arrived meanwhile goes out in one piece.
+                    # Pieces that arrived meanwhile go out as one.
                     while "text" in item and pending and "text" in pending[0]:
-                        item = {"text": item["text"] + pending.popleft()["text"]}
+                        later = pending.popleft()
+                        item = {"text": item["text"] + later["text"],
+                                "tokens": item["tokens"] + later["tokens"]}
                     ended = "text" not in item
                     yield item
         finally:
             if not ended:  # the caller went away: stop the request
                 _cancel(request)
 
-    def _pump(self, request: tl.Request, stops, prompt_tokens: int, emit) -> None:
+    def _pump(self, request: tl.Request, stops, prompt_tokens: int, token_ids: bool,
+              emit) -> None:
         """The request's tokens as text (streaming detokenizer, then the stop strings), on a
-        pool thread."""
+        pool thread; with ``token_ids``, a piece for every token, carrying it."""
         text = self.prompter.text_stream()
         stop = api.StopStrings(stops)
-        tokens = 0
+        tokens, held = 0, []
         try:
             for token in request:
                 tokens += 1
+                if token_ids:
+                    held.append(int(token))
                 out, stopped = stop.push(text.push(token))
-                if out:
-                    emit({"text": out})
+                if out or held:
+                    emit({"text": out, "tokens": held})
+                    held = []
                 if stopped:
                     # Tokens the engine made past the stop string are not returned.
                     _cancel(request)
@@ -254,7 +262,7 @@ class TinyLoopEngine:
             if not stopped:
                 out += stop.finish()
             if out:
-                emit({"text": out})
+                emit({"text": out, "tokens": []})
             finish = "stop" if stopped or stats.get("finish") == "stop" else "length"
             with self._lock:
                 self._totals["prompt_tokens"] += prompt_tokens
@@ -388,25 +396,26 @@ class OpenAIIngress:
         first = await events.__anext__()
         if "error" in first:
             return self._failed(kind, api.ApiError(*first["error"]))
-        reply = api.Reply(kind, self.name, uuid.uuid4().hex[:24])
+        reply = api.Reply(kind, self.name, uuid.uuid4().hex[:24], first["token_ids"])
         headers = {REPLICA_HEADER: first["accepted"]}
         if job.stream:
             return StreamingResponse(self._sse(reply, events, started), headers=headers,
                                      media_type="text/event-stream")
-        text, first_text = [], True
+        text, tokens, first_text = [], [], True
         async for item in events:
             if "accepted" in item:  # sent again to another replica: its text starts anew
                 headers[REPLICA_HEADER] = item["accepted"]
-                text = []
+                text, tokens = [], []
             elif "text" in item:
                 if first_text:
                     self.metrics.first(started)
                     first_text = False
                 text.append(item["text"])
+                tokens.extend(item["tokens"])
             elif "end" in item:
                 end = item["end"]
                 self.metrics.finished(kind, started, end.prompt_tokens, end.completion_tokens)
-                return JSONResponse(reply.complete("".join(text), end), headers=headers)
+                return JSONResponse(reply.complete("".join(text), end, tokens), headers=headers)
             elif "error" in item:
                 return self._failed(kind, api.ApiError(*item["error"]))
         return self._failed(kind, _UNFINISHED)
@@ -423,7 +432,7 @@ class OpenAIIngress:
                 if first_text:
                     self.metrics.first(started)
                     first_text = False
-                yield data(reply.chunk(item["text"]))
+                yield data(reply.chunk(item["text"], tokens=item["tokens"]))
             elif "end" in item:
                 end = item["end"]
                 self.metrics.finished(reply.kind, started, end.prompt_tokens, end.completion_tokens)

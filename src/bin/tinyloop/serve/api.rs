@@ -3,8 +3,12 @@
 //! Fields: `prompt` (a string, or an array of token ids) or `messages` (`role` and `content`
 //! strings), `max_tokens` (also `max_completion_tokens`; default 16 for completions, as OpenAI's,
 //! and for chat whatever fits in `max_seq_len`), `temperature` (default 1, as OpenAI's; 0 is
-//! greedy), `top_p`, `seed`, `stop` (a string or up to 4 strings), `stream`, `n` (1 only), and
-//! TinyLoop's `loops` and `top_k`. Other fields (`model`, `user`, ...) are accepted and ignored.
+//! greedy), `top_p`, `seed`, `stop` (a string or up to 4 strings), `stream`, `n` (1 only),
+//! `return_token_ids` (each choice also carries the ids of its tokens), and TinyLoop's `loops`
+//! and `top_k`. Other fields (`model`, `user`, ...) are accepted and ignored.
+//!
+//! A model without a tokenizer takes token-id prompts only, with no `messages` and no `stop`
+//! strings; its choices carry empty text and always their token ids.
 
 use serde_json::{json, Map, Value};
 use tinyloop::tokenizer::ChatMessage;
@@ -95,6 +99,9 @@ pub struct Job {
     pub params: GenerateParams,
     pub stop: Vec<String>,
     pub stream: bool,
+    /// Whether each choice carries the ids of its tokens (asked for, or the model has no
+    /// tokenizer to give text).
+    pub token_ids: bool,
 }
 
 impl Job {
@@ -102,11 +109,17 @@ impl Job {
         let body = body
             .as_object()
             .ok_or_else(|| ApiError::invalid("the request body must be a JSON object"))?;
-        let tokenizer = model.tokenizer().map_err(ApiError::from)?;
+        let tokenizer = model.tokenizer().ok();
         let prompt = match kind {
-            Kind::Completion => completion_prompt(model, tokenizer, body)?,
-            Kind::Chat => chat_prompt(model, tokenizer, body)?,
+            Kind::Completion => completion_prompt(model, body)?,
+            Kind::Chat => chat_prompt(model, body)?,
         };
+        let stop = stop_strings(body)?;
+        if !stop.is_empty() && tokenizer.is_none() {
+            return Err(ApiError::invalid(
+                "stop is given, but the model has no tokenizer to find stop strings in its text",
+            ));
+        }
         if let Some(n) = uint(body, "n")? {
             if n != 1 {
                 return Err(ApiError::invalid(format!("n is {n}: only n = 1 is served")));
@@ -136,26 +149,24 @@ impl Job {
             max_tokens,
             loops,
             sampling,
-            stop_tokens: tokenizer.eos_tokens().to_vec(),
+            stop_tokens: tokenizer.map_or_else(Vec::new, |t| t.eos_tokens().to_vec()),
             ..GenerateParams::default()
         };
         Ok(Job {
             prompt,
             params,
-            stop: stop_strings(body)?,
+            stop,
             stream: boolean(body, "stream")?.unwrap_or(false),
+            token_ids: boolean(body, "return_token_ids")?.unwrap_or(false) || tokenizer.is_none(),
         })
     }
 }
 
 /// `prompt`: text through the tokenizer (with its special tokens), or token ids.
-fn completion_prompt(
-    model: &Model,
-    tokenizer: &Tokenizer,
-    body: &Map<String, Value>,
-) -> Result<Vec<u32>, ApiError> {
+fn completion_prompt(model: &Model, body: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+    let encode = |text: &str| model.tokenize(text, true).map_err(ApiError::from);
     match body.get("prompt") {
-        Some(Value::String(text)) => tokenizer.encode(text, true).map_err(ApiError::from),
+        Some(Value::String(text)) => encode(text),
         Some(Value::Array(items)) if items.iter().all(Value::is_u64) => {
             let vocab = model.config().vocab_size as u64;
             items
@@ -170,8 +181,7 @@ fn completion_prompt(
                 .collect()
         }
         Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            let text = items[0].as_str().unwrap_or_default();
-            tokenizer.encode(text, true).map_err(ApiError::from)
+            encode(items[0].as_str().unwrap_or_default())
         }
         Some(_) => Err(ApiError::invalid(
             "prompt must be a string, a one-string array or an array of token ids",
@@ -182,11 +192,13 @@ fn completion_prompt(
 
 /// `messages` through the model's chat template; a byte-level model, which has none, takes
 /// them as a transcript (`role: content` lines, then `assistant:`).
-fn chat_prompt(
-    model: &Model,
-    tokenizer: &Tokenizer,
-    body: &Map<String, Value>,
-) -> Result<Vec<u32>, ApiError> {
+fn chat_prompt(model: &Model, body: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = model.tokenizer().map_err(|_| {
+        ApiError::invalid(
+            "chat completions need a tokenizer and the model has none: send token ids to \
+             /v1/completions",
+        )
+    })?;
     let messages = body
         .get("messages")
         .and_then(Value::as_array)

@@ -136,23 +136,24 @@ async fn respond(s: Arc<Server>, kind: Kind, body: Value) -> Response {
         kind,
         model: s.name.clone(),
         created: unix_time(),
+        token_ids: job.token_ids,
     };
     if job.stream {
         let (tx, rx) = mpsc::channel::<std::result::Result<SseEvent, Infallible>>(64);
         tokio::spawn(async move {
             let send = |v: Value| tx.send(Ok(SseEvent::default().data(v.to_string())));
             if kind == Kind::Chat {
-                let _ = send(reply.chunk(Some("assistant"), "", None)).await;
+                let _ = send(reply.chunk(Some("assistant"), &Piece::default(), None)).await;
             }
             let mut first = true;
             let outcome = loop {
                 match next(&mut steps).await {
-                    Step::Text(text) => {
+                    Step::Piece(piece) => {
                         if first {
                             s.metrics.first_token(started);
                             first = false;
                         }
-                        if send(reply.chunk(None, &text, None)).await.is_err() {
+                        if send(reply.chunk(None, &piece, None)).await.is_err() {
                             // The client went away: dropping `steps` cancels the request.
                             return;
                         }
@@ -163,7 +164,7 @@ async fn respond(s: Arc<Server>, kind: Kind, body: Value) -> Response {
             match outcome {
                 Ok(end) => {
                     s.metrics.finished(kind, started, &end);
-                    let _ = send(reply.chunk(None, "", Some(end.finish))).await;
+                    let _ = send(reply.chunk(None, &Piece::default(), Some(end.finish))).await;
                     let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
                 }
                 Err(e) => {
@@ -175,16 +176,17 @@ async fn respond(s: Arc<Server>, kind: Kind, body: Value) -> Response {
         });
         return Sse::new(ReceiverStream::new(rx)).into_response();
     }
-    let mut text = String::new();
+    let mut whole = Piece::default();
     let mut first = true;
     let end = loop {
         match next(&mut steps).await {
-            Step::Text(piece) => {
+            Step::Piece(piece) => {
                 if first {
                     s.metrics.first_token(started);
                     first = false;
                 }
-                text.push_str(&piece);
+                whole.text.push_str(&piece.text);
+                whole.tokens.extend(piece.tokens);
             }
             Step::End(end) => break end,
         }
@@ -192,7 +194,7 @@ async fn respond(s: Arc<Server>, kind: Kind, body: Value) -> Response {
     match end {
         Ok(end) => {
             s.metrics.finished(kind, started, &end);
-            Json(reply.complete(&text, &end)).into_response()
+            Json(reply.complete(&whole, &end)).into_response()
         }
         Err(e) => s.metrics.failed(kind, ApiError::from(e)),
     }
@@ -214,14 +216,22 @@ pub struct End {
     pub completion_tokens: usize,
 }
 
-/// What a running request hands the handler: text, then its end.
+/// What a running request hands the handler: pieces, then its end.
 enum Step {
-    /// The next piece of text (whole characters, before any stop string).
-    Text(String),
+    Piece(Piece),
     End(Result<End>),
 }
 
-/// Submit `job` to the engine; its text arrives on the returned channel. The engine's events
+/// The next piece of a generation: text of whole characters (before any stop string) and, when
+/// the request returns token ids, the tokens generated since the previous piece (whose text may
+/// still be held back, as part of a character or of what may be a stop string).
+#[derive(Default)]
+struct Piece {
+    text: String,
+    tokens: Vec<u32>,
+}
+
+/// Submit `job` to the engine; its pieces arrive on the returned channel. The engine's events
 /// come on a blocking channel, so a blocking task turns them into text (the model's streaming
 /// detokenizer, then the stop strings). Dropping the receiver ends the request: the task's next
 /// send fails, it drops the engine's receiver, and the engine cancels the request.
@@ -231,11 +241,43 @@ fn start(s: &Arc<Server>, job: &Job) -> Result<mpsc::Receiver<Step>> {
     let (tx, rx) = mpsc::channel(256);
     let server = s.clone();
     let prompt_tokens = job.prompt.len();
+    let token_ids = job.token_ids;
     tokio::task::spawn_blocking(move || {
-        let end = pump(&server, submitted, stops, prompt_tokens, &tx);
+        let pieces = Pieces {
+            tx: &tx,
+            token_ids,
+            held: Vec::new(),
+        };
+        let end = pump(&server, submitted, stops, prompt_tokens, pieces);
         let _ = tx.blocking_send(Step::End(end));
     });
     Ok(rx)
+}
+
+/// Sends a request's pieces: text whenever there is some, and with token ids every token.
+struct Pieces<'a> {
+    tx: &'a mpsc::Sender<Step>,
+    token_ids: bool,
+    /// Tokens not sent yet.
+    held: Vec<u32>,
+}
+
+impl Pieces<'_> {
+    fn token(&mut self, token: u32) {
+        if self.token_ids {
+            self.held.push(token);
+        }
+    }
+
+    fn send(&mut self, text: String) -> Result<()> {
+        if text.is_empty() && self.held.is_empty() {
+            return Ok(());
+        }
+        let tokens = std::mem::take(&mut self.held);
+        self.tx
+            .blocking_send(Step::Piece(Piece { text, tokens }))
+            .map_err(|_| Error::Cancelled)
+    }
 }
 
 fn pump(
@@ -243,21 +285,23 @@ fn pump(
     submitted: Submitted,
     mut stops: StopStrings,
     prompt_tokens: usize,
-    tx: &mpsc::Sender<Step>,
+    mut pieces: Pieces,
 ) -> Result<End> {
-    let tokenizer = s.model.tokenizer()?;
-    let mut text = tokenizer.stream(true);
+    // A model without a tokenizer serves token ids only (Job::parse checked the request).
+    let mut text = s.model.tokenizer().ok().map(|t| t.stream(true));
     let id = submitted.id;
     let mut tokens = 0;
-    let gone = || Error::Cancelled;
     for event in submitted.events {
         match event {
             Event::Token(token) => {
                 tokens += 1;
-                let (out, stopped) = stops.push(&text.push(token)?);
-                if !out.is_empty() {
-                    tx.blocking_send(Step::Text(out)).map_err(|_| gone())?;
-                }
+                pieces.token(token);
+                let piece = match text.as_mut() {
+                    Some(text) => text.push(token)?,
+                    None => String::new(),
+                };
+                let (out, stopped) = stops.push(&piece);
+                pieces.send(out)?;
                 if stopped {
                     // Tokens the engine produced past the stop string are not returned.
                     let _ = s.engine.cancel(id);
@@ -270,13 +314,15 @@ fn pump(
                 }
             }
             Event::Done(stats) => {
-                let (mut out, stopped) = stops.push(&text.finish()?);
+                let rest = match text.as_mut() {
+                    Some(text) => text.finish()?,
+                    None => String::new(),
+                };
+                let (mut out, stopped) = stops.push(&rest);
                 if !stopped {
                     out.push_str(&stops.finish());
                 }
-                if !out.is_empty() {
-                    tx.blocking_send(Step::Text(out)).map_err(|_| gone())?;
-                }
+                pieces.send(out)?;
                 let stop = stopped || stats.finish == Finish::Stop;
                 return Ok(End {
                     finish: if stop { "stop" } else { "length" },
@@ -308,12 +354,15 @@ struct Reply {
     kind: Kind,
     model: String,
     created: u64,
+    /// Whether each choice carries `token_ids`.
+    token_ids: bool,
 }
 
 impl Reply {
-    /// A server-sent chunk: a piece of text, or (with `finish`) the end.
-    fn chunk(&self, role: Option<&str>, text: &str, finish: Option<&str>) -> Value {
-        let choice = match self.kind {
+    /// A server-sent chunk: a piece, the chat's opening role, or (with `finish`) the end.
+    fn chunk(&self, role: Option<&str>, piece: &Piece, finish: Option<&str>) -> Value {
+        let text = &piece.text;
+        let mut choice = match self.kind {
             Kind::Completion => {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
             }
@@ -328,6 +377,9 @@ impl Reply {
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
         };
+        if self.token_ids {
+            choice["token_ids"] = json!(piece.tokens);
+        }
         json!({
             "id": self.id,
             "object": self.kind.chunk_object(),
@@ -338,8 +390,9 @@ impl Reply {
     }
 
     /// The whole response of a request that was not streamed.
-    fn complete(&self, text: &str, end: &End) -> Value {
-        let choice = match self.kind {
+    fn complete(&self, whole: &Piece, end: &End) -> Value {
+        let text = &whole.text;
+        let mut choice = match self.kind {
             Kind::Completion => json!({
                 "index": 0, "text": text, "logprobs": null, "finish_reason": end.finish,
             }),
@@ -350,6 +403,9 @@ impl Reply {
                 "finish_reason": end.finish,
             }),
         };
+        if self.token_ids {
+            choice["token_ids"] = json!(whole.tokens);
+        }
         json!({
             "id": self.id,
             "object": self.kind.object(),
