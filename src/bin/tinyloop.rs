@@ -174,6 +174,10 @@ struct ServeArgs {
     /// Requests that run at once; more wait in the queue.
     #[arg(long, value_name = "N", value_parser = whole::<usize>(1, 65536))]
     max_running: Option<usize>,
+    /// Positions of the KV pool that the running requests share (default: 8 × --max-seq-len);
+    /// requests that do not fit wait.
+    #[arg(long, value_name = "N", value_parser = whole::<usize>(1, MAX))]
+    pool_positions: Option<usize>,
     /// Silence the library's load log.
     #[arg(long, short)]
     quiet: bool,
@@ -1036,6 +1040,7 @@ fn serve_model(path: &PathBuf, args: ServeArgs) -> Result<()> {
     let engine = EngineOptions {
         max_step_rows: args.max_step_rows.unwrap_or(defaults.max_step_rows),
         max_running: args.max_running.unwrap_or(defaults.max_running),
+        pool_positions: args.pool_positions.unwrap_or(defaults.pool_positions),
         ..defaults
     };
     serve::run(model, name, &engine, (args.host, args.port).into())
