@@ -915,7 +915,8 @@ DEV void read_a_frag(u32 (&a)[4], const u8* codes, int code_row, int row, int k)
 #endif
 
 // Dynamic shared memory: 1024 bytes of alignment slack, the ring, then each thread's BM / 2
-// sums of the segments before the current one. `sums` holds gemm_unit_sums' S (rows `ld` apart,
+// sums of the segments before the current one, four to a 16-byte slot (the slots of one four
+// of all threads side by side, so that a warp's loads are whole lines). `sums` holds gemm_unit_sums' S (rows `ld` apart,
 // ld a multiple of 4 and at least M). The host takes this kernel only on sm_90a, for K a
 // multiple of 64; elsewhere it is empty.
 template <int BITS, int BM>
@@ -938,7 +939,7 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     const int stage_bytes = wg_stage_bytes(BITS, BM), code_row = wg_code_row(BITS);
     const int codes_at = BM * 128, words_at = codes_at + WG_COLS * code_row;
     const int sums_at = words_at + 4 * WG_COLS * 4;
-    float* before = (float*)(ring_ptr + WG_STAGES * stage_bytes) + tid; // [ACC][WG_THREADS]
+    float4* before = (float4*)(ring_ptr + WG_STAGES * stage_bytes) + tid; // [ACC / 4][WG_THREADS]
     const size_t row_bytes = (size_t)K * BITS / 8;
     const int G = K / group, tiles = K / 64;
 
@@ -948,8 +949,15 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     // zero: the second 128 threads) words of one weight row for both halves of a tile, and the
     // first BM / 2 threads a piece of S each.
     const int x_part = tid & 7, x_row = tid >> 3;
-    const f16_t* x_src = X + x_part * 8;
     const u32 x_dst = x_row * 128 + ((x_part ^ (x_row & 7)) << 4);
+    const f16_t* x_src[X_COPIES];
+    int x_bytes[X_COPIES];
+#pragma unroll
+    for (int i = 0; i < X_COPIES; i++) {
+        const int m = m0 + x_row + i * (WG_THREADS / 8);
+        x_src[i] = X + (size_t)min(m, M - 1) * K + x_part * 8;
+        x_bytes[i] = m < M ? 16 : 0;
+    }
     const int w_row = tid / W_PIECES, w_part = tid % W_PIECES;
     const u8* w_src = W + (size_t)min(nb + w_row, N - 1) * row_bytes + w_part * 16;
     const u32 w_dst = codes_at + w_row * code_row + w_part * 16;
@@ -963,11 +971,8 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         if (j < tiles) {
             const u32 st = ring + (j % WG_STAGES) * stage_bytes;
 #pragma unroll
-            for (int i = 0; i < X_COPIES; i++) {
-                const int m = m0 + x_row + i * (WG_THREADS / 8);
-                cp_async16(st + x_dst + i * (WG_THREADS / 8) * 128,
-                           x_src + (size_t)min(m, M - 1) * K + j * 64, m < M ? 16 : 0);
-            }
+            for (int i = 0; i < X_COPIES; i++)
+                cp_async16(st + x_dst + i * (WG_THREADS / 8) * 128, x_src[i] + j * 64, x_bytes[i]);
             if (w_row < WG_COLS) cp_async16(st + w_dst, w_src + j * (BITS * 8), 16);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -1048,20 +1053,27 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         wgmma_wait<1>();
         const bool last = j + 1 == tiles;
         if (!last && (k0 + 64) % GEMM_SEGMENT != 0) continue;
-        // A segment ends: its sums join those before it, in order from zero.
+        // A segment ends: its sums join those before it, in order from zero, four at a time.
+        const bool first = k0 < GEMM_SEGMENT;
 #pragma unroll
-        for (int i = 0; i < ACC; i++) {
-            float* slot = before + i * WG_THREADS;
-            const float sum = __fadd_rn(k0 < GEMM_SEGMENT ? 0.0f : *slot, seg[i]);
-            seg[i] = 0.0f;
+        for (int c = 0; c < ACC / 4; c++) {
+            float4* slot = before + c * WG_THREADS;
+            const float4 b = first ? float4{0.0f, 0.0f, 0.0f, 0.0f} : *slot;
+            const float sum[4] = {__fadd_rn(b.x, seg[4 * c]), __fadd_rn(b.y, seg[4 * c + 1]),
+                                  __fadd_rn(b.z, seg[4 * c + 2]), __fadd_rn(b.w, seg[4 * c + 3])};
+#pragma unroll
+            for (int e = 0; e < 4; e++) seg[4 * c + e] = 0.0f;
             if (!last) {
-                *slot = sum;
+                *slot = float4{sum[0], sum[1], sum[2], sum[3]};
                 continue;
             }
-            const int n = nb + row0 + (i & 2 ? 8 : 0), m = m0 + 8 * (i >> 2) + 2 * t + (i & 1);
-            if (m < M && n < N) {
-                const size_t at = (size_t)m * N + n;
-                out[at] = accumulate ? __fadd_rn(out[at], sum) : sum;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int n = nb + row0 + (e & 2 ? 8 : 0), m = m0 + 8 * c + 2 * t + (e & 1);
+                if (m < M && n < N) {
+                    const size_t at = (size_t)m * N + n;
+                    out[at] = accumulate ? __fadd_rn(out[at], sum[e]) : sum[e];
+                }
             }
         }
     }
