@@ -1,7 +1,7 @@
 """`tinyloop MODEL serve` answers the official `openai` client: models, completions and chat
 completions (streamed and not), token ids, stop strings, bad requests, a bounded burst of
 concurrent clients, /metrics and /health, a graceful shutdown that lets a running stream finish,
-and a model without a tokenizer served by token ids.
+a model without a tokenizer served by token ids, and the KV pool sized by --pool-positions.
 
 Run by scripts/test-bindings.sh (step `serve`) with TINYLOOP_BIN and TINYLOOP_DEMO_MODEL set; the
 server listens on 127.0.0.1 only and every request loop here is bounded. The checks shared with
@@ -120,14 +120,14 @@ def no_tokenizer(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("models") / "no-tokenizer.tinyloop")
     subprocess.run([CLI, "synth", "--preset", "tiny", "--vocab-size", "384", "--seed", "3",
                     "--out", path], check=True, capture_output=True)
-    proc, url = start_server(model=path)
-    yield path, openai_checks.client_for(url)
+    proc, url = start_server("--pool-positions", "1000", model=path)
+    yield path, url, openai_checks.client_for(url)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
 
 
 def test_a_model_without_a_tokenizer_serves_token_ids(no_tokenizer):
-    path, client = no_tokenizer
+    path, _, client = no_tokenizer
     out = subprocess.run([CLI, path, "generate", "--tokens", "5,300,7", "--max-tokens", "12",
                           "--json", "-q"], check=True, capture_output=True, text=True)
     expected = json.loads(out.stdout)["tokens"]
@@ -149,3 +149,10 @@ def test_a_model_without_a_tokenizer_serves_token_ids(no_tokenizer):
     ]:
         with pytest.raises(openai.BadRequestError, match=message):
             call()
+
+
+def test_pool_positions_size_the_kv_pool(no_tokenizer):
+    with urllib.request.urlopen(no_tokenizer[1] + "/metrics") as r:
+        lines = r.read().decode().splitlines()
+    # 1000 positions in pages of 16: 63 pages.
+    assert "tinyloop_kv_pool_pages 63" in lines
