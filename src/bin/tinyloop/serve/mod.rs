@@ -296,11 +296,8 @@ fn pump(
             Event::Token(token) => {
                 tokens += 1;
                 pieces.token(token);
-                let piece = match text.as_mut() {
-                    Some(text) => text.push(token)?,
-                    None => String::new(),
-                };
-                let (out, stopped) = stops.push(&piece);
+                let piece = text.as_mut().map(|t| t.push(token)).transpose()?;
+                let (out, stopped) = stops.push(&piece.unwrap_or_default());
                 pieces.send(out)?;
                 if stopped {
                     // Tokens the engine produced past the stop string are not returned.
@@ -314,11 +311,8 @@ fn pump(
                 }
             }
             Event::Done(stats) => {
-                let rest = match text.as_mut() {
-                    Some(text) => text.finish()?,
-                    None => String::new(),
-                };
-                let (mut out, stopped) = stops.push(&rest);
+                let rest = text.as_mut().map(|t| t.finish()).transpose()?;
+                let (mut out, stopped) = stops.push(&rest.unwrap_or_default());
                 if !stopped {
                     out.push_str(&stops.finish());
                 }
