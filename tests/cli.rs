@@ -380,6 +380,17 @@ fn bad_input_exits_with_one_clear_line() {
 }
 
 /// Run the CLI with raw (possibly non-UTF-8) arguments.
+#[test]
+fn synth_help_names_every_preset() {
+    let help = stdout(&tinyloop(&["synth", "--help"]));
+    for preset in tinyloop::model::synth::PRESETS {
+        assert!(
+            help.contains(&format!(" {preset},")) || help.contains(&format!(" {preset}\n")),
+            "`synth --help` does not name the preset {preset}:\n{help}"
+        );
+    }
+}
+
 fn tinyloop_os(args: &[&std::ffi::OsStr]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyloop"))
         .args(args)

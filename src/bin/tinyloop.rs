@@ -617,7 +617,8 @@ struct ToolCli {
 enum ToolCommand {
     /// Write a deterministic random-weight model.
     Synth {
-        /// One of: tiny, small, tl-407m, tiny-gqa, tiny-tied.
+        /// One of: tiny, small, tl-407m, tiny-gqa, tiny-tied, tiny-sandwich, tiny-recurrent,
+        /// ouro-1.4b, ouro-1.4b-own, huginn-3.5b.
         #[arg(long)]
         preset: String,
         /// A folder with a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json and
