@@ -379,7 +379,6 @@ fn bad_input_exits_with_one_clear_line() {
     }
 }
 
-/// Run the CLI with raw (possibly non-UTF-8) arguments.
 #[test]
 fn synth_help_names_every_preset() {
     let help = stdout(&tinyloop(&["synth", "--help"]));
@@ -391,6 +390,7 @@ fn synth_help_names_every_preset() {
     }
 }
 
+/// Run the CLI with raw (possibly non-UTF-8) arguments.
 fn tinyloop_os(args: &[&std::ffi::OsStr]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tinyloop"))
         .args(args)
