@@ -27,19 +27,25 @@
 #define HUNIT 8    // values per 16-byte unit of an f16 row
 #define HSTRIDE 12 // staged floats per f16 unit
 
-// 8 int4 codes of one word against 8 staged values.
-DEV float dot8_q4(u32 w, const float* xs, float acc) {
-    const float4 a = *(const float4*)xs;
-    const float4 b = *(const float4*)(xs + 4);
-    acc = fmaf(code_f32(w & 0xFu), a.x, acc);
-    acc = fmaf(code_f32((w >> 4) & 0xFu), a.y, acc);
-    acc = fmaf(code_f32((w >> 8) & 0xFu), a.z, acc);
-    acc = fmaf(code_f32((w >> 12) & 0xFu), a.w, acc);
-    acc = fmaf(code_f32((w >> 16) & 0xFu), b.x, acc);
-    acc = fmaf(code_f32((w >> 20) & 0xFu), b.y, acc);
-    acc = fmaf(code_f32((w >> 24) & 0xFu), b.z, acc);
-    acc = fmaf(code_f32(w >> 28), b.w, acc);
-    return acc;
+// Bits 0..22 of a word, as an exact f32 (the 2^23 trick of code_f32, without a shift).
+DEV float low_bits_f32(u32 b) { return __int_as_float(0x4B000000u | b) - 8388608.0f; }
+
+// 8 int4 codes of one word against 8 staged values. A code is taken where it lies in the word
+// (the nibble at bit 4j as q · 2^4j, below bit 23 after at most one shift), so it costs a mask and
+// no shift; the products q · 2^4j · x are exact and go to the sum of their place j (a[j] holds
+// 2^4j times the f32 sum of those q · x, in order; j < 5).
+DEV void dot8_q4(u32 w, const float* xs, float* a) {
+    const float4 lo = *(const float4*)xs;
+    const float4 hi = *(const float4*)(xs + 4);
+    const u32 v = w >> 20;
+    a[0] = fmaf(low_bits_f32(w & 0xFu), lo.x, a[0]);
+    a[1] = fmaf(low_bits_f32(w & 0xF0u), lo.y, a[1]);
+    a[2] = fmaf(low_bits_f32(w & 0xF00u), lo.z, a[2]);
+    a[3] = fmaf(low_bits_f32(w & 0xF000u), lo.w, a[3]);
+    a[4] = fmaf(low_bits_f32(w & 0xF0000u), hi.x, a[4]);
+    a[0] = fmaf(low_bits_f32(v & 0xFu), hi.y, a[0]);
+    a[1] = fmaf(low_bits_f32(v & 0xF0u), hi.z, a[1]);
+    a[2] = fmaf(low_bits_f32(v & 0xF00u), hi.w, a[2]);
 }
 
 // 16 int2 codes of one word against 16 staged values.
@@ -61,10 +67,16 @@ template <int BITS>
 DEV float unit_dot(uint4 c, const float* xs) {
     float acc = 0.0f;
     if (BITS == 4) {
-        acc = dot8_q4(c.x, xs, acc);
-        acc = dot8_q4(c.y, xs + 8, acc);
-        acc = dot8_q4(c.z, xs + 16, acc);
-        acc = dot8_q4(c.w, xs + 24, acc);
+        float a[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        dot8_q4(c.x, xs, a);
+        dot8_q4(c.y, xs + 8, a);
+        dot8_q4(c.z, xs + 16, a);
+        dot8_q4(c.w, xs + 24, a);
+        // The places' sums, scaled back exactly (powers of two), from the lowest place up.
+        acc = fmaf(a[1], 0x1p-4f, a[0]);
+        acc = fmaf(a[2], 0x1p-8f, acc);
+        acc = fmaf(a[3], 0x1p-12f, acc);
+        acc = fmaf(a[4], 0x1p-16f, acc);
     } else if (BITS == 2) {
         acc = dot16_q2(c.x, xs, acc);
         acc = dot16_q2(c.y, xs + 16, acc);
