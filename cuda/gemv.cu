@@ -56,9 +56,6 @@ DEV float dot16_q2(u32 w, const float* xs, float acc) {
     return acc;
 }
 
-// Bits 0..22 of a word, as an exact f32 (the 2^23 trick of code_f32, without a shift).
-DEV float low_bits_f32(u32 b) { return __int_as_float(0x4B000000u | b) - 8388608.0f; }
-
 // dot8_q4 with each code taken where it lies in the word: the nibble at bit 4j as q · 2^4j (below
 // bit 23 after at most one shift of the word), so a code costs a mask and no shift. The products
 // q · 2^4j · x are exact and go to the sum of their place: a[j] holds 2^4j times the f32 sum, in
@@ -67,14 +64,14 @@ DEV void dot8_q4_places(u32 w, const float* xs, float* a) {
     const float4 lo = *(const float4*)xs;
     const float4 hi = *(const float4*)(xs + 4);
     const u32 v = w >> 20;
-    a[0] = fmaf(low_bits_f32(w & 0xFu), lo.x, a[0]);
-    a[1] = fmaf(low_bits_f32(w & 0xF0u), lo.y, a[1]);
-    a[2] = fmaf(low_bits_f32(w & 0xF00u), lo.z, a[2]);
-    a[3] = fmaf(low_bits_f32(w & 0xF000u), lo.w, a[3]);
-    a[4] = fmaf(low_bits_f32(w & 0xF0000u), hi.x, a[4]);
-    a[0] = fmaf(low_bits_f32(v & 0xFu), hi.y, a[0]);
-    a[1] = fmaf(low_bits_f32(v & 0xF0u), hi.z, a[1]);
-    a[2] = fmaf(low_bits_f32(v & 0xF00u), hi.w, a[2]);
+    a[0] = fmaf(code_f32(w & 0xFu), lo.x, a[0]);
+    a[1] = fmaf(code_f32(w & 0xF0u), lo.y, a[1]);
+    a[2] = fmaf(code_f32(w & 0xF00u), lo.z, a[2]);
+    a[3] = fmaf(code_f32(w & 0xF000u), lo.w, a[3]);
+    a[4] = fmaf(code_f32(w & 0xF0000u), hi.x, a[4]);
+    a[0] = fmaf(code_f32(v & 0xFu), hi.y, a[0]);
+    a[1] = fmaf(code_f32(v & 0xF0u), hi.z, a[1]);
+    a[2] = fmaf(code_f32(v & 0xF00u), hi.w, a[2]);
 }
 
 // dot16_q2 with the codes taken in place: the code at bit 2j of a byte, as q · 2^2j, goes to the
@@ -84,10 +81,10 @@ DEV void dot16_q2_places(u32 w, const float* xs, float* a) {
     for (int i = 0; i < 4; i++) {
         const float4 x = *(const float4*)(xs + 4 * i);
         const u32 v = w >> (8 * i);
-        a[0] = fmaf(low_bits_f32(v & 0x3u), x.x, a[0]);
-        a[1] = fmaf(low_bits_f32(v & 0xCu), x.y, a[1]);
-        a[2] = fmaf(low_bits_f32(v & 0x30u), x.z, a[2]);
-        a[3] = fmaf(low_bits_f32(v & 0xC0u), x.w, a[3]);
+        a[0] = fmaf(code_f32(v & 0x3u), x.x, a[0]);
+        a[1] = fmaf(code_f32(v & 0xCu), x.y, a[1]);
+        a[2] = fmaf(code_f32(v & 0x30u), x.z, a[2]);
+        a[3] = fmaf(code_f32(v & 0xC0u), x.w, a[3]);
     }
 }
 
