@@ -132,7 +132,8 @@ DEV float rotate_b(float a, float b, float c, float s) {
 DEV float lo_f16(u32 w) { return f16_to_f32((f16_t)(w & 0xffffu)); }
 DEV float hi_f16(u32 w) { return f16_to_f32((f16_t)(w >> 16)); }
 
-// An integer code 0..255 as f32, exactly, without the quarter-rate I2F instruction.
+// An integer below 2^23 (a code, or a code left in place in its word) as f32, exactly, without
+// the quarter-rate I2F instruction.
 DEV float code_f32(u32 q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
 
 // L2 policy for weight loads. Streamed weights are read once per token (pre and post blocks,

@@ -27,7 +27,7 @@
 #define HUNIT 8    // values per 16-byte unit of an f16 row
 #define HSTRIDE 12 // staged floats per f16 unit
 
-// 8 int4 codes of one word against 8 staged values.
+// 8 int4 codes of one word against 8 staged values, in one chain.
 DEV float dot8_q4(u32 w, const float* xs, float acc) {
     const float4 a = *(const float4*)xs;
     const float4 b = *(const float4*)(xs + 4);
@@ -42,7 +42,7 @@ DEV float dot8_q4(u32 w, const float* xs, float acc) {
     return acc;
 }
 
-// 16 int2 codes of one word against 16 staged values.
+// 16 int2 codes of one word against 16 staged values, in one chain.
 DEV float dot16_q2(u32 w, const float* xs, float acc) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -56,9 +56,62 @@ DEV float dot16_q2(u32 w, const float* xs, float acc) {
     return acc;
 }
 
-// One unit of weights (`c`: 16 bytes for int4 and f16, the first 8 for int2) against x.
-template <int BITS>
+// dot8_q4 with each code taken where it lies in the word: the nibble at bit 4j as q · 2^4j (below
+// bit 23 after at most one shift of the word), so a code costs a mask and no shift. The products
+// q · 2^4j · x are exact and go to the sum of their place: a[j] holds 2^4j times the f32 sum, in
+// order, of the q · x at place j (j < 5).
+DEV void dot8_q4_places(u32 w, const float* xs, float* a) {
+    const float4 lo = *(const float4*)xs;
+    const float4 hi = *(const float4*)(xs + 4);
+    const u32 v = w >> 20;
+    a[0] = fmaf(code_f32(w & 0xFu), lo.x, a[0]);
+    a[1] = fmaf(code_f32(w & 0xF0u), lo.y, a[1]);
+    a[2] = fmaf(code_f32(w & 0xF00u), lo.z, a[2]);
+    a[3] = fmaf(code_f32(w & 0xF000u), lo.w, a[3]);
+    a[4] = fmaf(code_f32(w & 0xF0000u), hi.x, a[4]);
+    a[0] = fmaf(code_f32(v & 0xFu), hi.y, a[0]);
+    a[1] = fmaf(code_f32(v & 0xF0u), hi.z, a[1]);
+    a[2] = fmaf(code_f32(v & 0xF00u), hi.w, a[2]);
+}
+
+// dot16_q2 with the codes taken in place: the code at bit 2j of a byte, as q · 2^2j, goes to the
+// sum of its place j (j < 4).
+DEV void dot16_q2_places(u32 w, const float* xs, float* a) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float4 x = *(const float4*)(xs + 4 * i);
+        const u32 v = w >> (8 * i);
+        a[0] = fmaf(code_f32(v & 0x3u), x.x, a[0]);
+        a[1] = fmaf(code_f32(v & 0xCu), x.y, a[1]);
+        a[2] = fmaf(code_f32(v & 0x30u), x.z, a[2]);
+        a[3] = fmaf(code_f32(v & 0xC0u), x.w, a[3]);
+    }
+}
+
+// One unit of weights (`c`: 16 bytes for int4 and f16, the first 8 for int2) against x. With
+// PLACES (one-row GEMVs) quantized codes are taken in place and the places' sums scaled back
+// exactly (powers of two) and added from the lowest place up: a shift fewer per code. Multi-row
+// GEMVs keep one chain per unit, since R sets of place sums would cost them registers and blocks.
+template <int BITS, bool PLACES>
 DEV float unit_dot(uint4 c, const float* xs) {
+    if (BITS == 4 && PLACES) {
+        float a[5] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        dot8_q4_places(c.x, xs, a);
+        dot8_q4_places(c.y, xs + 8, a);
+        dot8_q4_places(c.z, xs + 16, a);
+        dot8_q4_places(c.w, xs + 24, a);
+        float acc = fmaf(a[1], 0x1p-4f, a[0]);
+        acc = fmaf(a[2], 0x1p-8f, acc);
+        acc = fmaf(a[3], 0x1p-12f, acc);
+        return fmaf(a[4], 0x1p-16f, acc);
+    }
+    if (BITS == 2 && PLACES) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        dot16_q2_places(c.x, xs, a);
+        dot16_q2_places(c.y, xs + 16, a);
+        const float acc = fmaf(a[1], 0x1p-2f, a[0]);
+        return fmaf(a[3], 0x1p-6f, fmaf(a[2], 0x1p-4f, acc));
+    }
     float acc = 0.0f;
     if (BITS == 4) {
         acc = dot8_q4(c.x, xs, acc);
@@ -361,6 +414,7 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
     float acc0[R], acc1[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = 0.0f;
+    auto dot = [](uint4 c, const float* xs) { return unit_dot<BITS, R == 1>(c, xs); };
 
     if (valid) {
         for (int u0 = lane; u0 < U; u0 += UNROLL * tpr) {
@@ -376,16 +430,16 @@ DEV void gemv(const GemvInput input, int rows, int K, const u8* __restrict__ w0,
                     for (int r = 0; r < R; r++) {
                         const float* xs = smem + (r * U + u) * STRIDE;
                         const float xsum = xs[QUNIT];
-                        acc0[r] = fmaf(sc0, unit_dot<BITS>(c0[j], xs), fmaf(ze0, xsum, acc0[r]));
+                        acc0[r] = fmaf(sc0, dot(c0[j], xs), fmaf(ze0, xsum, acc0[r]));
                         if (GATEUP)
-                            acc1[r] = fmaf(sc1, unit_dot<BITS>(c1[j], xs), fmaf(ze1, xsum, acc1[r]));
+                            acc1[r] = fmaf(sc1, dot(c1[j], xs), fmaf(ze1, xsum, acc1[r]));
                     }
                 } else {
 #pragma unroll
                     for (int r = 0; r < R; r++) {
                         const float* xs = smem + (r * U + u) * STRIDE;
-                        acc0[r] += unit_dot<BITS>(c0[j], xs);
-                        if (GATEUP) acc1[r] += unit_dot<BITS>(c1[j], xs);
+                        acc0[r] += dot(c0[j], xs);
+                        if (GATEUP) acc1[r] += dot(c1[j], xs);
                     }
                 }
             }
