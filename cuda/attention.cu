@@ -23,23 +23,23 @@
 // from shared memory instead of the cache; the first query head of each KV head writes them to
 // the cache (which no block of this launch reads at that position).
 //
-// Inside a block each warp takes 32 positions at a time, one per lane: the lane computes q . k
-// for its position (q rounded to f16 as the contract says), the warp updates an online softmax,
-// then accumulates p * v with lanes over head dimensions. Scores are f32, the output is rounded to
-// f16 once, after the final division, like the CPU reference. V is read so that the loads of
-// many positions are in flight together: a lane holds consecutive head dimensions (a position's
-// values or codes for them in one load), loads for 8 to 16 positions are issued before any is
-// used (for codes, the code and scale kinds pick widths and addresses, not branches), and codes
-// become f32 by byte permutes instead of integer conversions (exact, so the sums are unchanged).
+// Inside a block, over f16 entries, each warp takes a few positions at a time with lanes over head
+// dimensions (f16_positions): every load of the group's K and V rows is in flight at once, a
+// position's q . k is summed across lanes by a butterfly, and the online softmax takes the group
+// at once. Over quantized entries (quant_positions) each warp takes 32 positions at a time, one
+// per lane for q . k, then accumulates p * v with lanes over head dimensions, the code loads of
+// 8 positions in flight (the code and scale kinds pick widths and addresses, not branches), codes
+// becoming f32 by byte permutes instead of integer conversions (exact). Either way q is rounded to
+// f16 as the contract says, scores are f32, and the output is rounded to f16 once, after the final
+// division, like the CPU reference.
 #include "kv.cuh"
 
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_MAX_HD 256
-// Blocks an SM keeps of the f16-entry kernels: five up to hd 128 (a register or two spilled at
-// most), which their short blocks (one pass over 32 positions per warp in an engine's slices)
-// need to cover the loads' latency.
-#define ATT_BLOCKS(DJ) ((DJ) <= 4 ? 5 : 1)
+// Blocks an SM keeps of the f16-entry kernels: four up to hd 128, so that a warp holds two groups
+// of positions' K and V (the one it sums and the next one's loads) without spilling.
+#define ATT_BLOCKS(DJ) ((DJ) <= 4 ? 4 : 1)
 
 // Whether position t reached the iteration `need` under the depth mask (always without one).
 DEV bool reached(const unsigned* depth, unsigned need, int t) { return !depth || depth[t] >= need; }
@@ -196,94 +196,133 @@ DEV float lane_code(uint2 raw, int j, int codes, int nibble) {
     return i4_code(raw.x, nibble + j);
 }
 
-template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
-DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
-                   int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
-                   const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits,
-                   int span, f16_t* __restrict__ out, float* partial, int* tickets,
-                   const float* __restrict__ rope, const QuantKv& qk,
-                   const unsigned* __restrict__ depth, unsigned need) {
-    __shared__ __align__(16) float sq[ATT_MAX_HD];
-    __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][32 * DJ];
-    __shared__ KvTierDesc st[3];
-    // Quantized entries: where each warp's 32 positions keep V (byte offsets of codes and
-    // scales, and the tier's kinds), written by the lane that owns the position.
+// Positions a warp of the f16 kernels takes at once: the loads of their K and V rows are all in
+// flight together (and those of the next group while this one is summed).
+#define F16_GROUP(DJ) ((DJ) >= 8 ? 4 : 8)
+
+// A group's K and V: each lane's DJ head dimensions of every position of the group.
+template <int DJ> struct F16Group {
+    Halves<DJ> k[F16_GROUP(DJ)], v[F16_GROUP(DJ)];
+};
+
+// Loads the group of positions starting at t0 (positions past t_end repeat the last one; the
+// caller leaves them out). The current position's entry comes from shared memory when this
+// launch rotated it (`own`). Over a KV pool lane j looks up position j's entry in its page table
+// and passes it to the warp, so the lookup is not repeated by every lane.
+template <int DJ>
+DEV F16Group<DJ> load_f16_group(const f16_t* K, const f16_t* V, const f16_t* sk,
+                                const f16_t* sv, int own, const RowPages& pages, int kv_dim,
+                                int t0, int t_end, int first, int hd, bool whole) {
+    constexpr int G = F16_GROUP(DJ);
+    const int lane_t = min(t0 + (int)(threadIdx.x & (G - 1)), t_end - 1);
+    const int lane_entry = pages.page ? entry_at(pages, lane_t) : 0;
+    F16Group<DJ> g;
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        const int t = min(t0 + j, t_end - 1);
+        const int entry = pages.page ? __shfl_sync(0xffffffffu, lane_entry, j) : t;
+        const size_t e = (size_t)entry * kv_dim;
+        g.k[j] = lane_halves<DJ>(t == own ? sk : K + e, first, hd, whole);
+        g.v[j] = lane_halves<DJ>(t == own ? sv : V + e, first, hd, whole);
+    }
+    return g;
+}
+
+// The f16 entries' pass over positions t_begin .. t_end: warp w takes the groups of G positions
+// that start at t_begin + G * (w + ATT_WARPS * i), lanes over head dimensions (lane l holds
+// d0 = DJ * l .. d0 + DJ, as in the output). A position's score is the lanes' partial products
+// (each over its DJ dimensions in order) summed by a butterfly, so every lane holds every score of
+// the group; the online softmax then takes the group at once (its maximum, then p = exp(s - m)
+// and the rescaled sums, positions in order). The next group's loads are issued before this
+// one's sums, so a warp waits for memory once per group, not per position.
+template <int DJ>
+DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
+                       const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
+                       float scale, int t_begin, int t_end, const unsigned* depth, unsigned need,
+                       float& m, float& l, float (&acc)[DJ]) {
+    constexpr int G = F16_GROUP(DJ);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Whole: hd a multiple of DJ, so a lane holds all of its DJ dimensions or none (hd 96 with
+    // four per lane: lanes 24..31 hold none; they read the head's first values and add nothing).
+    const bool whole = hd % DJ == 0;
+    const int d0 = DJ * lane;
+    const bool holds = d0 < hd;
+    const int first = whole && !holds ? 0 : d0;
+    float q[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; j++) q[j] = d0 + j < hd ? sq[d0 + j] : 0.0f;
+    const auto load = [&](int from) {
+        return load_f16_group<DJ>(K, V, sk, sv, own, pages, kv_dim, from, t_end, first, hd, whole);
+    };
+    int t0 = t_begin + G * warp;
+    if (t0 >= t_end) return;
+    F16Group<DJ> cur = load(t0);
+    for (; t0 < t_end; t0 += G * ATT_WARPS) {
+        const int next = t0 + G * ATT_WARPS;
+        F16Group<DJ> nxt;
+        if (next < t_end) nxt = load(next);
+        float s[G];
+        float group_max = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DJ; i++) dot = fmaf(q[i], half_at(cur.k[j], i), dot);
+            dot = warp_sum(holds ? dot : 0.0f);
+            const int t = t0 + j;
+            s[j] = t < t_end && reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
+            group_max = fmaxf(group_max, s[j]);
+        }
+        const float m_new = fmaxf(m, group_max);
+        // m_new is -inf only while every position so far was left out (a depth mask): nothing
+        // is summed yet, and the correction must not be exp(-inf + inf).
+        if (m_new != NEG_INF) {
+            const float corr = expf(m - m_new);
+            float p[G], p_sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < G; j++) {
+                p[j] = expf(s[j] - m_new);
+                p_sum += p[j];
+            }
+            l = l * corr + p_sum;
+#pragma unroll
+            for (int i = 0; i < DJ; i++) {
+                float a = acc[i] * corr;
+#pragma unroll
+                for (int j = 0; j < G; j++) a = fmaf(p[j], half_at(cur.v[j], i), a);
+                acc[i] = a;
+            }
+            m = m_new;
+        }
+        if (next < t_end) cur = nxt;
+    }
+}
+
+// The quantized entries' pass over positions t_begin .. t_end: each warp takes 32 positions at a
+// time, one per lane for q . k (the lane sums the chain's K codes of its position), then p * v
+// with lanes over head dimensions, eight positions' loads in flight at a time. `st`: the cache's
+// tiers (kv_tier), in shared memory.
+template <int DJ>
+DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& pages,
+                         const int* step, int kvh, int hd, float scale, int t_begin, int t_end,
+                         const QuantKv& qk, const unsigned* depth, unsigned need, float& m,
+                         float& l, float (&acc)[DJ]) {
+    // Where each warp's 32 positions keep V (byte offsets of codes and scales, and the tier's
+    // kinds), written by the lane that owns the position.
     __shared__ long long v_codes[ATT_WARPS][32], v_scales[ATT_WARPS][32];
     __shared__ int v_kinds[ATT_WARPS][32];
-    // f16 entries: where each warp's 32 positions are (their entry index), likewise.
-    __shared__ int v_entries[ATT_WARPS][32];
-    if (Q && threadIdx.x < 3) st[threadIdx.x] = kv_tier(qk.d, threadIdx.x);
-    kernel_start();
-    const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
-    const int total = row_position(step, r) + 1;
-    const int per = span > 0 ? span : (((total + splits - 1) / splits) + 31) & ~31;
-    const int active = span > 0 ? (total + span - 1) / span : splits;
-    if (s >= active) return;
-    const int t_begin = s * per;
-    const int t_end = min(total, t_begin + per);
-    const int kvh = h / (n_heads / n_kv_heads);
-    const RowPages pages = row_pages(step, r);
-    const size_t base = (size_t)slot * slot_stride + (size_t)kvh * hd;
-    const f16_t* K = kc + base;
-    const f16_t* V = vc + base;
-    const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
-    const float* q = row + (size_t)h * hd;
-    // The current position's K and V come from shared memory when this launch rotates them.
-    const int own = rope && t_begin < total && t_end == total ? total - 1 : -1;
-    if (rope) {
-        const int half = hd / 2;
-        const float* table = rope + (size_t)(total - 1) * hd;
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const float c = table[2 * i], sn = table[2 * i + 1];
-            sq[i] = round_f16(__fsub_rn(__fmul_rn(q[i], c), __fmul_rn(q[i + half], sn)));
-            sq[i + half] = round_f16(__fadd_rn(__fmul_rn(q[i], sn), __fmul_rn(q[i + half], c)));
-            if (own >= 0) {
-                const float* k = row + q_dim + (size_t)kvh * hd;
-                sk[i] = f32_to_f16(__fsub_rn(__fmul_rn(k[i], c), __fmul_rn(k[i + half], sn)));
-                sk[i + half] = f32_to_f16(__fadd_rn(__fmul_rn(k[i], sn), __fmul_rn(k[i + half], c)));
-            }
-        }
-        if (own >= 0) {
-            const float* v = row + q_dim + kv_dim + (size_t)kvh * hd;
-            for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = f32_to_f16(v[i]);
-        }
-        __syncthreads();
-        if (own >= 0 && h % (n_heads / n_kv_heads) == 0) {
-            const size_t entry = (size_t)entry_at(pages, own) * kv_dim;
-            f16_t* kd = (f16_t*)K + entry;
-            f16_t* vd = (f16_t*)V + entry;
-            for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-                kd[i] = sk[i];
-                vd[i] = sv[i];
-            }
-        }
-    } else {
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
-        __syncthreads();
-    }
-
-    float m = NEG_INF, l = 0.0f;
-    float acc[DJ];
-#pragma unroll
-    for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
-    const bool vec = (hd & 7) == 0;
     // A lane holds head dimensions d0 .. d0 + DJ of V (consecutive, so that one load brings a
-    // position's values): quantized codes as whole words where hd is a multiple of 32, f16
-    // values where hd is a multiple of DJ.
-    const bool qvec = (hd & 31) == 0, vwhole = hd % DJ == 0;
+    // position's codes for them) where hd is a multiple of 32.
+    const bool qvec = (hd & 31) == 0;
     const int d0 = DJ * lane, nibble = DJ == 1 ? lane & 1 : 0;
-    // Lanes past hd (hd 96 with four per lane: lanes 24..31; for codes only DJ >= 4 leaves any,
-    // as they need hd a multiple of 32) hold no dimension; they read the head's first values,
-    // which they never use, rather than beyond the head.
-    const int d_load = DJ < 4 || d0 < hd ? d0 : 0, v_first = d0 < hd ? d0 : 0;
+    // Lanes past hd (only DJ >= 4 leaves any, as codes need hd a multiple of 32) hold no
+    // dimension; they read the head's first codes, which they never use, rather than beyond it.
+    const int d_load = DJ < 4 || d0 < hd ? d0 : 0;
     for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
         const int t = t0 + lane;
         float score = NEG_INF;
-        if (Q && t < t_end) {
+        if (t < t_end) {
             const KvTierDesc& tr = st[kv_tier_of(t, step)];
             const int ring_t = kv_ring(entry_at(pages, t), tr.ring);
             const int gb = kv_group_bytes((int)tr.codes, hd);
@@ -299,35 +338,6 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             v_codes[warp][lane] = tr.codes_off[1] + ring_t * tr.row_bytes;
             v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
             v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
-        } else if (!Q && t < t_end) {
-            const int e = entry_at(pages, t);
-            v_entries[warp][lane] = e;
-            const f16_t* k = t == own ? sk : K + (size_t)e * kv_dim;
-            float dot = 0.0f;
-            if (vec) {
-                // All of the row's 16-byte loads first (hd <= 32 * DJ), then the products.
-                uint4 kk[4 * DJ];
-#pragma unroll
-                for (int c = 0; c < 4 * DJ; c++)
-                    kk[c] = 8 * c < hd ? *(const uint4*)(k + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-                for (int c = 0; c < 4 * DJ; c++) {
-                    if (8 * c >= hd) break;
-                    const float4 qa = *(const float4*)(sq + 8 * c);
-                    const float4 qb = *(const float4*)(sq + 8 * c + 4);
-                    dot = fmaf(qa.x, lo_f16(kk[c].x), dot);
-                    dot = fmaf(qa.y, hi_f16(kk[c].x), dot);
-                    dot = fmaf(qa.z, lo_f16(kk[c].y), dot);
-                    dot = fmaf(qa.w, hi_f16(kk[c].y), dot);
-                    dot = fmaf(qb.x, lo_f16(kk[c].z), dot);
-                    dot = fmaf(qb.y, hi_f16(kk[c].z), dot);
-                    dot = fmaf(qb.z, lo_f16(kk[c].w), dot);
-                    dot = fmaf(qb.w, hi_f16(kk[c].w), dot);
-                }
-            } else {
-                for (int d = 0; d < hd; d++) dot = fmaf(sq[d], f16_to_f32(k[d]), dot);
-            }
-            score = reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
         }
         const float m_new = fmaxf(m, warp_max(score));
         // m_new is -inf only while every position so far was left out (a depth mask): nothing
@@ -341,7 +351,7 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
         const int count = min(32, t_end - t0);
         // p * v over the chunk's positions, eight positions' loads in flight at a time.
         __syncwarp();
-        for (int j0 = 0; Q && j0 < count; j0 += 8) {
+        for (int j0 = 0; j0 < count; j0 += 8) {
             // The chain's entries of eight positions: every load of one chain slot is issued
             // before the first is used.
             float v[8][DJ];
@@ -393,29 +403,86 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
                 }
             }
         }
-        // p * v over the chunk's positions: a position's V is one load per lane (its DJ head
-        // dimensions), V_ROUND positions' loads in flight at a time.
-        __syncwarp();
-        constexpr int V_ROUND = DJ >= 4 ? 8 : 16;
-        for (int j0 = 0; !Q && j0 < count; j0 += V_ROUND) {
-            Halves<DJ> v[V_ROUND];
-#pragma unroll
-            for (int jj = 0; jj < V_ROUND; jj++) {
-                const int tv = t0 + j0 + jj;
-                const int at = min(tv, t_end - 1) - t0;
-                const f16_t* vr = tv == own ? sv : V + (size_t)v_entries[warp][at] * kv_dim;
-                v[jj] = lane_halves<DJ>(vr, vwhole ? v_first : d0, hd, vwhole);
-            }
-#pragma unroll
-            for (int jj = 0; jj < V_ROUND; jj++) {
-                const float pj = __shfl_sync(0xffffffffu, p, (j0 + jj) & 31);
-                if (j0 + jj < count) {
-#pragma unroll
-                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, half_at(v[jj], j), acc[j]);
-                }
+        m = m_new;
+    }
+}
+
+template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
+DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
+                   int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
+                   const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits,
+                   int span, f16_t* __restrict__ out, float* partial, int* tickets,
+                   const float* __restrict__ rope, const QuantKv& qk,
+                   const unsigned* __restrict__ depth, unsigned need) {
+    __shared__ __align__(16) float sq[ATT_MAX_HD];
+    __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][32 * DJ];
+    __shared__ KvTierDesc st[3];
+    if (Q && threadIdx.x < 3) st[threadIdx.x] = kv_tier(qk.d, threadIdx.x);
+    kernel_start();
+    const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
+    const int total = row_position(step, r) + 1;
+    // The splits that hold positions; the others have nothing to add to the merge.
+    const int per = span > 0 ? span : (((total + splits - 1) / splits) + 31) & ~31;
+    const int active = min(splits, (total + per - 1) / per);
+    if (s >= active) return;
+    const int t_begin = s * per;
+    const int t_end = min(total, t_begin + per);
+    const int kvh = h / (n_heads / n_kv_heads);
+    const RowPages pages = row_pages(step, r);
+    const size_t base = (size_t)slot * slot_stride + (size_t)kvh * hd;
+    const f16_t* K = kc + base;
+    const f16_t* V = vc + base;
+    const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
+    const float* q = row + (size_t)h * hd;
+    // The current position's K and V come from shared memory when this launch rotates them.
+    const int own = rope && t_begin < total && t_end == total ? total - 1 : -1;
+    if (rope) {
+        const int half = hd / 2;
+        const float* table = rope + (size_t)(total - 1) * hd;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const float c = table[2 * i], sn = table[2 * i + 1];
+            sq[i] = round_f16(__fsub_rn(__fmul_rn(q[i], c), __fmul_rn(q[i + half], sn)));
+            sq[i + half] = round_f16(__fadd_rn(__fmul_rn(q[i], sn), __fmul_rn(q[i + half], c)));
+            if (own >= 0) {
+                const float* k = row + q_dim + (size_t)kvh * hd;
+                sk[i] = f32_to_f16(__fsub_rn(__fmul_rn(k[i], c), __fmul_rn(k[i + half], sn)));
+                sk[i + half] = f32_to_f16(__fadd_rn(__fmul_rn(k[i], sn), __fmul_rn(k[i + half], c)));
             }
         }
-        m = m_new;
+        if (own >= 0) {
+            const float* v = row + q_dim + kv_dim + (size_t)kvh * hd;
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) sv[i] = f32_to_f16(v[i]);
+        }
+        __syncthreads();
+        if (own >= 0 && h % (n_heads / n_kv_heads) == 0) {
+            const size_t entry = (size_t)entry_at(pages, own) * kv_dim;
+            f16_t* kd = (f16_t*)K + entry;
+            f16_t* vd = (f16_t*)V + entry;
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+                kd[i] = sk[i];
+                vd[i] = sv[i];
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
+        __syncthreads();
+    }
+
+    float m = NEG_INF, l = 0.0f;
+    float acc[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
+    const int d0 = DJ * lane;
+    if constexpr (!Q) {
+        f16_positions<DJ>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, depth,
+                          need, m, l, acc);
+    } else {
+        quant_positions<DJ>(sq, st, pages, step, kvh, hd, scale, t_begin, t_end, qk, depth, need,
+                            m, l, acc);
     }
 
     // Merge the warps of the block.
