@@ -6,10 +6,11 @@
 // grid (n_heads, rows, splits), 128 threads. Row r attends to positions 0..=row_position(r) of
 // its sequence, read from the step block in device memory (so a captured decode graph replays at
 // any position); in a step over a KV pool each row reads its own sequence's entries through its
-// page table (common.cuh `row_pages`, found once per block; the pass over V reuses the entry
-// indices that the pass over K looked up). With splits > 1 each block takes one slice of the
-// positions and writes a partial (max, sum, un-normalized output); the last of the split blocks
-// to finish merges them (flash-decoding, with the combine fused through a ticket counter). The
+// page table (common.cuh `row_pages`, found once per block; a position's entry is looked up once
+// for both its K and its V). With splits > 1 each block takes one slice of the positions and
+// writes a partial (max, sum, un-normalized output); the last to finish of the blocks whose
+// slices hold positions merges them (flash-decoding, with the combine fused through a ticket
+// counter; blocks past the row's positions have nothing to add and leave at once). The
 // slices are the positions cut in `splits` (span 0), or in slices of `span` positions, of which
 // a row uses as many as its positions fill: then a row's result depends on its position only,
 // never on the rows it runs with.
