@@ -24,15 +24,14 @@
 // from shared memory instead of the cache; the first query head of each KV head writes them to
 // the cache (which no block of this launch reads at that position).
 //
-// Inside a block, over f16 entries, each warp takes a few positions at a time with lanes over head
-// dimensions (f16_positions): every load of the group's K and V rows is in flight at once, a
-// position's q . k is summed across lanes by a butterfly, and the online softmax takes the group
-// at once. Over quantized entries (quant_positions) each warp takes 32 positions at a time, one
-// per lane for q . k, then accumulates p * v with lanes over head dimensions, the code loads of
-// 8 positions in flight (the code and scale kinds pick widths and addresses, not branches), codes
-// becoming f32 by byte permutes instead of integer conversions (exact). Either way q is rounded to
-// f16 as the contract says, scores are f32, and the output is rounded to f16 once, after the final
-// division, like the CPU reference.
+// Inside a block each warp takes a few positions at a time with lanes over head dimensions
+// (f16_positions, quant_positions): every load of the group's K and V rows (for codes, of each
+// slot of the chain; the code and scale kinds pick widths and addresses, not branches) is in
+// flight at once, the lanes' partial q . k of the group are summed by halving exchanges that
+// leave each lane one position's score (one exp per lane, not one per position), and the online
+// softmax takes the group at once. Codes become f32 by byte permutes instead of integer
+// conversions (exact). q is rounded to f16 as the contract says, scores are f32, and the output
+// is rounded to f16 once, after the final division, like the CPU reference.
 #include "kv.cuh"
 
 #define ATT_THREADS 128
@@ -197,13 +196,80 @@ DEV float lane_code(uint2 raw, int j, int codes, int nibble) {
     return i4_code(raw.x, nibble + j);
 }
 
-// Positions a warp of the f16 kernels takes at once: the loads of their K and V rows are all in
-// flight together (and those of the next group while this one is summed).
-#define F16_GROUP(DJ) ((DJ) >= 8 ? 4 : 8)
+// Positions a warp takes at once: the loads of their K and V rows are all in flight together.
+#define ATT_GROUP(DJ) ((DJ) >= 8 ? 4 : 8)
+
+// log2 of a group's positions, and which of them a lane's score is after group_score: lane L
+// holds position L >> share_shift<G>() of the group.
+template <int G> DEV constexpr int group_log() { return G == 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0; }
+template <int G> DEV constexpr int share_shift() { return 5 - group_log<G>(); }
+
+// The score of this lane's position of a group from t0 (lane L: position L >> share_shift): each
+// lane's partial q . k over its dimensions (`holds`: the lane has any) summed across the warp,
+// first by halving exchanges (at xor 16, 8, ... a lane keeps half of the positions it carries and
+// adds its partner's partials of that half), then by a butterfly over the lanes that share the
+// position. Positions past t_end or left out by the depth mask score -inf.
+template <int G>
+DEV float group_score(float (&partial)[G], bool holds, int t0, int t_end, const unsigned* depth,
+                      unsigned need, float scale) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < G; j++) partial[j] = holds ? partial[j] : 0.0f;
+#pragma unroll
+    for (int step = 0; step < group_log<G>(); step++) {
+        const int o = 16 >> step, half = (G >> step) / 2;
+        const bool upper = lane & o;
+#pragma unroll
+        for (int j = 0; j < half; j++) {
+            const float give = upper ? partial[j] : partial[j + half];
+            const float keep = upper ? partial[j + half] : partial[j];
+            partial[j] = keep + __shfl_xor_sync(0xffffffffu, give, o);
+        }
+    }
+    float dot = partial[0];
+#pragma unroll
+    for (int o = 16 >> group_log<G>(); o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const int t = t0 + (lane >> share_shift<G>());
+    return t < t_end && reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
+}
+
+// The online softmax over a group, all at once: `s` is this lane's position's score
+// (group_score). The running maximum m takes the group's, l adds the group's exp(s - m) summed
+// by a butterfly over the positions, and acc (the lane's DJ dimensions of the unnormalized
+// output) is rescaled once and then adds p * value(j, i) of the positions in order.
+template <int G, int DJ, typename Value>
+DEV void group_update(float s, Value value, float& m, float& l, float (&acc)[DJ]) {
+    constexpr int SHIFT = share_shift<G>();
+    float group_max = s;
+#pragma unroll
+    for (int o = 16; o >= (1 << SHIFT); o >>= 1)
+        group_max = fmaxf(group_max, __shfl_xor_sync(0xffffffffu, group_max, o));
+    const float m_new = fmaxf(m, group_max);
+    // m_new is -inf only while every position so far was left out (a depth mask): nothing is
+    // summed yet, and the correction must not be exp(-inf + inf).
+    if (m_new == NEG_INF) return;
+    const float corr = expf(m - m_new);
+    const float p_own = expf(s - m_new);
+    float p_sum = p_own;
+#pragma unroll
+    for (int o = 16; o >= (1 << SHIFT); o >>= 1) p_sum += __shfl_xor_sync(0xffffffffu, p_sum, o);
+    l = l * corr + p_sum;
+    float p[G];
+#pragma unroll
+    for (int j = 0; j < G; j++) p[j] = __shfl_sync(0xffffffffu, p_own, j << SHIFT);
+#pragma unroll
+    for (int i = 0; i < DJ; i++) {
+        float a = acc[i] * corr;
+#pragma unroll
+        for (int j = 0; j < G; j++) a = fmaf(p[j], value(j, i), a);
+        acc[i] = a;
+    }
+    m = m_new;
+}
 
 // A group's K and V: each lane's DJ head dimensions of every position of the group.
 template <int DJ> struct F16Group {
-    Halves<DJ> k[F16_GROUP(DJ)], v[F16_GROUP(DJ)];
+    Halves<DJ> k[ATT_GROUP(DJ)], v[ATT_GROUP(DJ)];
 };
 
 // Loads the group of positions starting at t0 (positions past t_end repeat the last one; the
@@ -214,7 +280,7 @@ template <int DJ>
 DEV F16Group<DJ> load_f16_group(const f16_t* K, const f16_t* V, const f16_t* sk,
                                 const f16_t* sv, int own, const RowPages& pages, int kv_dim,
                                 int t0, int t_end, int first, int hd, bool whole) {
-    constexpr int G = F16_GROUP(DJ);
+    constexpr int G = ATT_GROUP(DJ);
     const int lane_t = min(t0 + (int)(threadIdx.x & (G - 1)), t_end - 1);
     const int lane_entry = pages.page ? entry_at(pages, lane_t) : 0;
     F16Group<DJ> g;
@@ -232,16 +298,15 @@ DEV F16Group<DJ> load_f16_group(const f16_t* K, const f16_t* V, const f16_t* sk,
 // The f16 entries' pass over positions t_begin .. t_end: warp w takes the groups of G positions
 // that start at t_begin + G * (w + ATT_WARPS * i), lanes over head dimensions (lane l holds
 // d0 = DJ * l .. d0 + DJ, as in the output). A position's score is the lanes' partial products
-// (each over its DJ dimensions in order) summed by a butterfly, so every lane holds every score of
-// the group; the online softmax then takes the group at once (its maximum, then p = exp(s - m)
-// and the rescaled sums, positions in order). The next group's loads are issued before this
-// one's sums, so a warp waits for memory once per group, not per position.
+// (each over its DJ dimensions in order) summed across the warp (group_score); the online
+// softmax then takes the group at once (group_update). The next group's loads are issued before
+// this one's sums, so a warp waits for memory once per group, not per position.
 template <int DJ>
 DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
                        const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
                        float scale, int t_begin, int t_end, const unsigned* depth, unsigned need,
                        float& m, float& l, float (&acc)[DJ]) {
-    constexpr int G = F16_GROUP(DJ);
+    constexpr int G = ATT_GROUP(DJ);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Whole: hd a multiple of DJ, so a lane holds all of its DJ dimensions or none (hd 96 with
     // four per lane: lanes 24..31 hold none; they read the head's first values and add nothing).
@@ -262,149 +327,112 @@ DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f1
         const int next = t0 + G * ATT_WARPS;
         F16Group<DJ> nxt;
         if (next < t_end) nxt = load(next);
-        float s[G];
-        float group_max = NEG_INF;
+        float partial[G];
 #pragma unroll
         for (int j = 0; j < G; j++) {
             float dot = 0.0f;
 #pragma unroll
             for (int i = 0; i < DJ; i++) dot = fmaf(q[i], half_at(cur.k[j], i), dot);
-            dot = warp_sum(holds ? dot : 0.0f);
-            const int t = t0 + j;
-            s[j] = t < t_end && reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
-            group_max = fmaxf(group_max, s[j]);
+            partial[j] = dot;
         }
-        const float m_new = fmaxf(m, group_max);
-        // m_new is -inf only while every position so far was left out (a depth mask): nothing
-        // is summed yet, and the correction must not be exp(-inf + inf).
-        if (m_new != NEG_INF) {
-            const float corr = expf(m - m_new);
-            float p[G], p_sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < G; j++) {
-                p[j] = expf(s[j] - m_new);
-                p_sum += p[j];
-            }
-            l = l * corr + p_sum;
-#pragma unroll
-            for (int i = 0; i < DJ; i++) {
-                float a = acc[i] * corr;
-#pragma unroll
-                for (int j = 0; j < G; j++) a = fmaf(p[j], half_at(cur.v[j], i), a);
-                acc[i] = a;
-            }
-            m = m_new;
-        }
+        const float s = group_score<G>(partial, holds, t0, t_end, depth, need, scale);
+        group_update<G, DJ>(s, [&](int j, int i) { return half_at(cur.v[j], i); }, m, l, acc);
         if (next < t_end) cur = nxt;
     }
 }
 
-// The quantized entries' pass over positions t_begin .. t_end: each warp takes 32 positions at a
-// time, one per lane for q . k (the lane sums the chain's K codes of its position), then p * v
-// with lanes over head dimensions, eight positions' loads in flight at a time. `st`: the cache's
-// tiers (kv_tier), in shared memory.
+// Where a position's quantized entries are (byte offsets from the cache's base, of the chain's
+// first slot: K codes, K scales, V codes, V scales) and its tier's kinds (codes | scales << 4).
+struct QuantAt {
+    long long k_codes, k_scales, v_codes, v_scales;
+    int kinds;
+};
+
+DEV QuantAt quant_at(const KvTierDesc* st, const RowPages& pages, const int* step, int t) {
+    const KvTierDesc& tr = st[kv_tier_of(t, step)];
+    const long long ring_t = kv_ring(entry_at(pages, t), tr.ring);
+    return {tr.codes_off[0] + ring_t * tr.row_bytes, tr.scales_off[0] + ring_t * tr.scale_row_bytes,
+            tr.codes_off[1] + ring_t * tr.row_bytes, tr.scales_off[1] + ring_t * tr.scale_row_bytes,
+            (int)tr.codes | (int)tr.scales << 4};
+}
+
+// Element d + i of the head whose codes start at element `head` of `row`: from the lane's codes
+// (`raw`, loaded by lane_codes) where hd is a multiple of 32, else read alone (0 past hd).
+DEV float lane_code_at(uint2 raw, const u8* row, int head, int d, int i, int hd, int codes,
+                       int nibble, bool vec) {
+    if (vec) return lane_code(raw, i, codes, nibble);
+    return d + i < hd ? kv_code(row, head + d + i, codes) : 0.0f;
+}
+
+// The quantized entries' pass over positions t_begin .. t_end, laid out as f16_positions: warp w
+// takes the groups of G positions from t_begin + G * (w + ATT_WARPS * i), lanes over head
+// dimensions. For each slot of the application's chain every load of the group (codes and scales
+// of K and V) is issued before the first is used; a lane's partial q . k adds, slot by slot,
+// the slot's scale times its codes' products (in element order), and V's value is the sum over
+// the chain of scale * code. `st`: the cache's tiers (kv_tier), in shared memory.
 template <int DJ>
 DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& pages,
                          const int* step, int kvh, int hd, float scale, int t_begin, int t_end,
                          const QuantKv& qk, const unsigned* depth, unsigned need, float& m,
                          float& l, float (&acc)[DJ]) {
-    // Where each warp's 32 positions keep V (byte offsets of codes and scales, and the tier's
-    // kinds), written by the lane that owns the position.
-    __shared__ long long v_codes[ATT_WARPS][32], v_scales[ATT_WARPS][32];
-    __shared__ int v_kinds[ATT_WARPS][32];
+    constexpr int G = ATT_GROUP(DJ);
+    // Lane j finds position j's entries; the warp reads them from here.
+    __shared__ QuantAt group_at[ATT_WARPS][G];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // A lane holds head dimensions d0 .. d0 + DJ of V (consecutive, so that one load brings a
-    // position's codes for them) where hd is a multiple of 32.
-    const bool qvec = (hd & 31) == 0;
+    // Codes load as whole words where hd is a multiple of 32; lanes past hd (only DJ >= 4 leaves
+    // any then) hold no dimension and read the head's first codes, which add nothing.
+    const bool vec = (hd & 31) == 0;
     const int d0 = DJ * lane, nibble = DJ == 1 ? lane & 1 : 0;
-    // Lanes past hd (only DJ >= 4 leaves any, as codes need hd a multiple of 32) hold no
-    // dimension; they read the head's first codes, which they never use, rather than beyond it.
-    const int d_load = DJ < 4 || d0 < hd ? d0 : 0;
-    for (int t0 = t_begin + warp * 32; t0 < t_end; t0 += ATT_WARPS * 32) {
-        const int t = t0 + lane;
-        float score = NEG_INF;
-        if (t < t_end) {
-            const KvTierDesc& tr = st[kv_tier_of(t, step)];
-            const int ring_t = kv_ring(entry_at(pages, t), tr.ring);
-            const int gb = kv_group_bytes((int)tr.codes, hd);
-            const u8* k0 = qk.base + tr.codes_off[0] + ring_t * tr.row_bytes + (size_t)kvh * gb;
-            const u8* s0 = qk.base + tr.scales_off[0] + ring_t * tr.scale_row_bytes;
-            float dot = 0.0f;
-            for (int j = 0; j < qk.count; j++) {
-                const long long slot_at = (long long)(qk.first + j * qk.stride) * qk.d.slot_bytes;
-                const float ks = kv_scale_value(s0 + slot_at, kvh, (int)tr.scales);
-                dot = fmaf(ks, dot_codes<DJ>(sq, k0 + slot_at, hd, (int)tr.codes, qvec), dot);
-            }
-            score = reached(depth, need, t) ? __fmul_rn(dot, scale) : NEG_INF;
-            v_codes[warp][lane] = tr.codes_off[1] + ring_t * tr.row_bytes;
-            v_scales[warp][lane] = tr.scales_off[1] + ring_t * tr.scale_row_bytes;
-            v_kinds[warp][lane] = (int)tr.codes | (int)tr.scales << 4;
-        }
-        const float m_new = fmaxf(m, warp_max(score));
-        // m_new is -inf only while every position so far was left out (a depth mask): nothing
-        // is summed yet, and the correction must not be exp(-inf + inf).
-        const bool none = m_new == NEG_INF;
-        const float p = t < t_end && !none ? expf(score - m_new) : 0.0f;
-        const float corr = none ? 1.0f : expf(m - m_new);
-        l = l * corr + warp_sum(p);
+    const bool holds = d0 < hd;
+    const int head = kvh * hd, first = head + (holds ? d0 : 0);
+    float q[DJ];
 #pragma unroll
-        for (int j = 0; j < DJ; j++) acc[j] *= corr;
-        const int count = min(32, t_end - t0);
-        // p * v over the chunk's positions, eight positions' loads in flight at a time.
+    for (int i = 0; i < DJ; i++) q[i] = d0 + i < hd ? sq[d0 + i] : 0.0f;
+    for (int t0 = t_begin + G * warp; t0 < t_end; t0 += G * ATT_WARPS) {
         __syncwarp();
-        for (int j0 = 0; j0 < count; j0 += 8) {
-            // The chain's entries of eight positions: every load of one chain slot is issued
-            // before the first is used.
-            float v[8][DJ];
+        if (lane < G) group_at[warp][lane] = quant_at(st, pages, step, min(t0 + lane, t_end - 1));
+        __syncwarp();
+        float partial[G], v[G][DJ];
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++)
+        for (int j = 0; j < G; j++) {
+            partial[j] = 0.0f;
 #pragma unroll
-                for (int j = 0; j < DJ; j++) v[jj][j] = 0.0f;
-            for (int c = 0; c < qk.count; c++) {
-                const long long slot_at = (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
-                // First every load (a lane's DJ consecutive head dimensions of each position),
-                // then the conversions, so that the eight positions cost one memory latency.
-                u32 sbits[8];
-                uint2 raw[8];
-                int kinds[8];
+            for (int i = 0; i < DJ; i++) v[j][i] = 0.0f;
+        }
+        for (int c = 0; c < qk.count; c++) {
+            const u8* slot = qk.base + (long long)(qk.first + c * qk.stride) * qk.d.slot_bytes;
+            u32 k_bits[G], v_bits[G];
+            uint2 k_raw[G], v_raw[G];
 #pragma unroll
-                for (int jj = 0; jj < 8; jj++) {
-                    const int pj = (j0 + jj) & 31;
-                    const bool valid = j0 + jj < count;
-                    kinds[jj] = v_kinds[warp][pj];
-                    const u8* vr = qk.base + v_codes[warp][pj] + slot_at;
-                    const u8* vsc = qk.base + v_scales[warp][pj] + slot_at;
-                    sbits[jj] = valid ? kv_scale_bits(vsc, kvh, kinds[jj] >> 4) : 0u;
-                    raw[jj] = valid && qvec ? lane_codes<DJ>(vr, kvh * hd + d_load, kinds[jj] & 15)
-                                            : make_uint2(0u, 0u);
-                }
-#pragma unroll
-                for (int jj = 0; jj < 8; jj++) {
-                    const bool valid = j0 + jj < count;
-                    const int codes = kinds[jj] & 15;
-                    const float vs = valid ? kv_scale_of(sbits[jj], kinds[jj] >> 4) : 0.0f;
-#pragma unroll
-                    for (int j = 0; j < DJ; j++) {
-                        float code = 0.0f;
-                        if (valid && d0 + j < hd) {
-                            const u8* vr = qk.base + v_codes[warp][(j0 + jj) & 31] + slot_at;
-                            code = qvec ? lane_code(raw[jj], j, codes, nibble)
-                                        : kv_code(vr, kvh * hd + d0 + j, codes);
-                        }
-                        v[jj][j] += vs * code;
-                    }
-                }
+            for (int j = 0; j < G; j++) {
+                const QuantAt& at = group_at[warp][j];
+                const int codes = at.kinds & 15, scales = at.kinds >> 4;
+                k_bits[j] = kv_scale_bits(slot + at.k_scales, kvh, scales);
+                v_bits[j] = kv_scale_bits(slot + at.v_scales, kvh, scales);
+                k_raw[j] = vec ? lane_codes<DJ>(slot + at.k_codes, first, codes) : make_uint2(0u, 0u);
+                v_raw[j] = vec ? lane_codes<DJ>(slot + at.v_codes, first, codes) : make_uint2(0u, 0u);
             }
 #pragma unroll
-            for (int jj = 0; jj < 8; jj++) {
-                const float pj = __shfl_sync(0xffffffffu, p, (j0 + jj) & 31);
-                if (j0 + jj < count) {
+            for (int j = 0; j < G; j++) {
+                const QuantAt& at = group_at[warp][j];
+                const int codes = at.kinds & 15, scales = at.kinds >> 4;
+                float dot = 0.0f;
 #pragma unroll
-                    for (int j = 0; j < DJ; j++) acc[j] = fmaf(pj, v[jj][j], acc[j]);
+                for (int i = 0; i < DJ; i++) {
+                    const float code = lane_code_at(k_raw[j], slot + at.k_codes, head, d0, i, hd,
+                                                    codes, nibble, vec);
+                    dot = fmaf(q[i], code, dot);
                 }
+                partial[j] = fmaf(kv_scale_of(k_bits[j], scales), dot, partial[j]);
+                const float vs = kv_scale_of(v_bits[j], scales);
+#pragma unroll
+                for (int i = 0; i < DJ; i++)
+                    v[j][i] += vs * lane_code_at(v_raw[j], slot + at.v_codes, head, d0, i, hd,
+                                                 codes, nibble, vec);
             }
         }
-        m = m_new;
+        const float s = group_score<G>(partial, holds, t0, t_end, depth, need, scale);
+        group_update<G, DJ>(s, [&](int j, int i) { return v[j][i]; }, m, l, acc);
     }
 }
 
