@@ -90,54 +90,7 @@ struct QuantKv {
     int first, count, stride;
 };
 
-// The dot product of q (f32 in shared memory) with a quantized K row of `hd` codes, summed in
-// element order. With `vec` (hd a multiple of 32) every 16-byte word of the row is loaded before
-// the first product, so the row costs one memory latency: at most 2 * DJ words of INT8 codes
-// (hd <= 32 * DJ).
-template <int DJ>
-DEV float dot_codes(const float* sq, const u8* k, int hd, int codes, bool vec) {
-    float dot = 0.0f;
-    if (!vec) {
-        for (int i = 0; i < hd; i++) dot = fmaf(sq[i], kv_code(k, i, codes), dot);
-        return dot;
-    }
-    const int words = codes == KV_I8 ? hd / 16 : hd / 32;
-    uint4 w[2 * DJ];
-#pragma unroll
-    for (int c = 0; c < 2 * DJ; c++)
-        w[c] = c < words ? *(const uint4*)(k + 16 * c) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int c = 0; c < 2 * DJ; c++) {
-        if (c >= words) break;
-        const u32 ws[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
-        const int per = codes == KV_I8 ? 4 : 8; // codes per 32-bit word
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float* q = sq + (4 * c + i) * per;
-            const float4 qa = *(const float4*)q;
-            if (codes == KV_I8) {
-                const u32 biased = ws[i] ^ 0x80808080u;
-                dot = fmaf(qa.x, i8_code(biased, 0), dot);
-                dot = fmaf(qa.y, i8_code(biased, 1), dot);
-                dot = fmaf(qa.z, i8_code(biased, 2), dot);
-                dot = fmaf(qa.w, i8_code(biased, 3), dot);
-            } else {
-                const float4 qb = *(const float4*)(q + 4);
-                dot = fmaf(qa.x, i4_code(ws[i], 0), dot);
-                dot = fmaf(qa.y, i4_code(ws[i], 1), dot);
-                dot = fmaf(qa.z, i4_code(ws[i], 2), dot);
-                dot = fmaf(qa.w, i4_code(ws[i], 3), dot);
-                dot = fmaf(qb.x, i4_code(ws[i], 4), dot);
-                dot = fmaf(qb.y, i4_code(ws[i], 5), dot);
-                dot = fmaf(qb.z, i4_code(ws[i], 6), dot);
-                dot = fmaf(qb.w, i4_code(ws[i], 7), dot);
-            }
-        }
-    }
-    return dot;
-}
-
-// A lane's V codes for head dimensions first .. first + DJ of a quantized row (DJ consecutive
+// A lane's K or V codes for head dimensions first .. first + DJ of a quantized row (DJ consecutive
 // elements: DJ bytes of INT8 codes, or DJ / 2 bytes of INT4 codes, the byte that holds the
 // element for DJ = 1), in one load whose width the code kind picks without a branch.
 template <int BYTES> DEV uint2 load_bytes(const u8* p) {
@@ -199,9 +152,12 @@ DEV float lane_code(uint2 raw, int j, int codes, int nibble) {
 // Positions a warp takes at once: the loads of their K and V rows are all in flight together.
 #define ATT_GROUP(DJ) ((DJ) >= 8 ? 4 : 8)
 
-// log2 of a group's positions, and which of them a lane's score is after group_score: lane L
-// holds position L >> share_shift<G>() of the group.
-template <int G> DEV constexpr int group_log() { return G == 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0; }
+// log2 of a group's positions (ATT_GROUP: 8 or 4), and which of them a lane's score is after
+// group_score: lane L holds position L >> share_shift<G>() of the group.
+template <int G> DEV constexpr int group_log() {
+    static_assert(G == 8 || G == 4, "a group is 8 or 4 positions");
+    return G == 8 ? 3 : 2;
+}
 template <int G> DEV constexpr int share_shift() { return 5 - group_log<G>(); }
 
 // The score of this lane's position of a group from t0 (lane L: position L >> share_shift): each

@@ -51,9 +51,6 @@ DEV u8* kv_scales(u8* base, const KvDesc& d, const KvTierDesc& tr, int tensor, i
            kv_ring(t, tr.ring) * tr.scale_row_bytes;
 }
 
-// Bytes of one group's codes within a row.
-DEV int kv_group_bytes(int codes, int n) { return codes == KV_F16 ? 2 * n : (codes == KV_I8 ? n : n / 2); }
-
 // 2^e as an exact f32 (normal range).
 DEV float pow2(int e) { return __uint_as_float((u32)(e + 127) << 23); }
 
