@@ -32,6 +32,12 @@
 // softmax takes the group at once. Codes become f32 by byte permutes instead of integer
 // conversions (exact). q is rounded to f16 as the contract says, scores are f32, and the output
 // is rounded to f16 once, after the final division, like the CPU reference.
+//
+// The positions of a (row, head, split) are cut in ATT_WARPS parts, part p taking the groups p,
+// p + ATT_WARPS, ... The parts are a block's warps, or, in the `heads` kernels (for launches of
+// many blocks), one warp's passes in turn, the block's warps taking ATT_WARPS heads of the row:
+// the per-block work (q, the page table, the merges, a split's fence and ticket) then serves
+// four heads. The parts and their merge are the same, so the results are the same bits.
 #include "kv.cuh"
 
 #define ATT_THREADS 128
@@ -44,9 +50,17 @@
 // Whether position t reached the iteration `need` under the depth mask (always without one).
 DEV bool reached(const unsigned* depth, unsigned need, int t) { return !depth || depth[t] >= need; }
 
-// Merge `splits` partials (max, sum, un-normalized output) of one (row, head) into `out` (hd
-// values), by the calling block (at most 128 splits). Reads go to L2 (__ldcg): the partials were
-// written by other blocks. The order of additions is fixed (split 0 first).
+// Partial results (running max m, sum l, unnormalized output) merge the same way whether they
+// are a block's warps, a warp's parts or a row's splits: M is the largest m of the partials that
+// hold positions (l > 0), each partial weighs exp(m - M) (0 without positions), L adds l times
+// the weight in order, and an output element adds its partials' values times their weights in
+// order, from zero.
+DEV float merged_max(float M, float m, float l) { return l > 0.0f ? fmaxf(M, m) : M; }
+DEV float merge_weight(float M, float m, float l) { return l > 0.0f ? expf(m - M) : 0.0f; }
+
+// Merge `splits` partials (max, sum, un-normalized output; hd + 2 floats apart) of one (row,
+// head) into `out` (hd values), by the calling block (at most 128 splits). Reads go to L2
+// (__ldcg): the partials were written by other blocks.
 DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
     __shared__ float weight[128], sm[128], sl[128];
     __shared__ float total;
@@ -57,13 +71,11 @@ DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
     __syncthreads();
     if (threadIdx.x == 0) {
         float M = NEG_INF;
-        for (int s = 0; s < splits; s++)
-            if (sl[s] > 0.0f) M = fmaxf(M, sm[s]);
+        for (int s = 0; s < splits; s++) M = merged_max(M, sm[s], sl[s]);
         float L = 0.0f;
         for (int s = 0; s < splits; s++) {
-            const float w = sl[s] > 0.0f ? expf(sm[s] - M) : 0.0f;
-            weight[s] = w;
-            L += sl[s] * w;
+            weight[s] = merge_weight(M, sm[s], sl[s]);
+            L = fmaf(sl[s], weight[s], L);
         }
         total = L;
     }
@@ -75,10 +87,40 @@ DEV void combine_splits(const float* P, int hd, int splits, f16_t* out) {
         for (int s = 0; s < splits; s++) {
             const float w = weight[s];
             const float v = __ldcg(P + s * (hd + 2) + 2 + d);
-            if (w != 0.0f) a += v * w;
+            if (w != 0.0f) a = fmaf(v, w, a);
         }
         out[d] = f32_to_f16(__fdiv_rn(a, L));
     }
+}
+
+// combine_splits by one warp (at most 32 splits; lane s holds split s's max and sum), lane l
+// writing dimensions DJ * l .. DJ * l + DJ: the same operations in the same order.
+template <int DJ> DEV void combine_splits_warp(const float* P, int hd, int splits, f16_t* out) {
+    const int lane = threadIdx.x & 31;
+    const float m_own = lane < splits ? __ldcg(P + lane * (hd + 2)) : NEG_INF;
+    const float l_own = lane < splits ? __ldcg(P + lane * (hd + 2) + 1) : 0.0f;
+    float M = NEG_INF;
+    for (int s = 0; s < splits; s++)
+        M = merged_max(M, __shfl_sync(0xffffffffu, m_own, s), __shfl_sync(0xffffffffu, l_own, s));
+    const float w_own = merge_weight(M, m_own, l_own);
+    float L = 0.0f;
+    for (int s = 0; s < splits; s++)
+        L = fmaf(__shfl_sync(0xffffffffu, l_own, s), __shfl_sync(0xffffffffu, w_own, s), L);
+    float a[DJ];
+#pragma unroll
+    for (int j = 0; j < DJ; j++) a[j] = 0.0f;
+    const int d0 = DJ * lane;
+    for (int s = 0; s < splits; s++) {
+        const float w = __shfl_sync(0xffffffffu, w_own, s);
+#pragma unroll
+        for (int j = 0; j < DJ; j++) {
+            if (w != 0.0f && d0 + j < hd)
+                a[j] = fmaf(__ldcg(P + s * (hd + 2) + 2 + d0 + j), w, a[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < DJ; j++)
+        if (d0 + j < hd) out[d0 + j] = f32_to_f16(__fdiv_rn(a[j], L));
 }
 
 // Where a quantized launch reads its entries: the cache bytes, their layout, and the chain of
@@ -251,19 +293,19 @@ DEV F16Group<DJ> load_f16_group(const f16_t* K, const f16_t* V, const f16_t* sk,
     return g;
 }
 
-// The f16 entries' pass over positions t_begin .. t_end: warp w takes the groups of G positions
-// that start at t_begin + G * (w + ATT_WARPS * i), lanes over head dimensions (lane l holds
-// d0 = DJ * l .. d0 + DJ, as in the output). A position's score is the lanes' partial products
-// (each over its DJ dimensions in order) summed across the warp (group_score); the online
-// softmax then takes the group at once (group_update). The next group's loads are issued before
-// this one's sums, so a warp waits for memory once per group, not per position.
+// The f16 entries' pass over positions t_begin .. t_end: part p (of ATT_WARPS) takes the groups
+// of G positions that start at t_begin + G * (p + ATT_WARPS * i), lanes over head dimensions
+// (lane l holds d0 = DJ * l .. d0 + DJ, as in the output). A position's score is the lanes'
+// partial products (each over its DJ dimensions in order) summed across the warp (group_score);
+// the online softmax then takes the group at once (group_update). The next group's loads are
+// issued before this one's sums, so a warp waits for memory once per group, not per position.
 template <int DJ>
 DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
                        const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
                        float scale, int t_begin, int t_end, const unsigned* depth, unsigned need,
-                       float& m, float& l, float (&acc)[DJ]) {
+                       int part, float& m, float& l, float (&acc)[DJ]) {
     constexpr int G = ATT_GROUP(DJ);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     // Whole: hd a multiple of DJ, so a lane holds all of its DJ dimensions or none (hd 96 with
     // four per lane: lanes 24..31 hold none; they read the head's first values and add nothing).
     const bool whole = hd % DJ == 0;
@@ -276,7 +318,7 @@ DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f1
     const auto load = [&](int from) {
         return load_f16_group<DJ>(K, V, sk, sv, own, pages, kv_dim, from, t_end, first, hd, whole);
     };
-    int t0 = t_begin + G * warp;
+    int t0 = t_begin + G * part;
     if (t0 >= t_end) return;
     F16Group<DJ> cur = load(t0);
     for (; t0 < t_end; t0 += G * ATT_WARPS) {
@@ -320,8 +362,8 @@ DEV float lane_code_at(uint2 raw, const u8* row, int head, int d, int i, int hd,
     return d + i < hd ? kv_code(row, head + d + i, codes) : 0.0f;
 }
 
-// The quantized entries' pass over positions t_begin .. t_end, laid out as f16_positions: warp w
-// takes the groups of G positions from t_begin + G * (w + ATT_WARPS * i), lanes over head
+// The quantized entries' pass over positions t_begin .. t_end, laid out as f16_positions: part p
+// takes the groups of G positions from t_begin + G * (p + ATT_WARPS * i), lanes over head
 // dimensions. For each slot of the application's chain every load of the group (codes and scales
 // of K and V) is issued before the first is used; a lane's partial q . k adds, slot by slot,
 // the slot's scale times its codes' products (in element order), and V's value is the sum over
@@ -329,8 +371,8 @@ DEV float lane_code_at(uint2 raw, const u8* row, int head, int d, int i, int hd,
 template <int DJ>
 DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& pages,
                          const int* step, int kvh, int hd, float scale, int t_begin, int t_end,
-                         const QuantKv& qk, const unsigned* depth, unsigned need, float& m,
-                         float& l, float (&acc)[DJ]) {
+                         const QuantKv& qk, const unsigned* depth, unsigned need, int part,
+                         float& m, float& l, float (&acc)[DJ]) {
     constexpr int G = ATT_GROUP(DJ);
     // Lane j finds position j's entries; the warp reads them from here.
     __shared__ QuantAt group_at[ATT_WARPS][G];
@@ -344,7 +386,7 @@ DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& 
     float q[DJ];
 #pragma unroll
     for (int i = 0; i < DJ; i++) q[i] = d0 + i < hd ? sq[d0 + i] : 0.0f;
-    for (int t0 = t_begin + G * warp; t0 < t_end; t0 += G * ATT_WARPS) {
+    for (int t0 = t_begin + G * part; t0 < t_end; t0 += G * ATT_WARPS) {
         __syncwarp();
         if (lane < G) group_at[warp][lane] = quant_at(st, pages, step, min(t0 + lane, t_end - 1));
         __syncwarp();
@@ -392,22 +434,45 @@ DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& 
     }
 }
 
-template <int DJ, bool Q> // head dimensions per lane: hd <= 32 * DJ; Q: quantized entries
+// One part's pass over positions t_begin .. t_end (the groups of part `part`, see f16_positions).
+template <int DJ, bool Q>
+DEV void part_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
+                        const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
+                        float scale, int t_begin, int t_end, const KvTierDesc* st, const int* step,
+                        int kvh, const QuantKv& qk, const unsigned* depth, unsigned need, int part,
+                        float& m, float& l, float (&acc)[DJ]) {
+    if constexpr (!Q) {
+        f16_positions<DJ>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, depth,
+                          need, part, m, l, acc);
+    } else {
+        quant_positions<DJ>(sq, st, pages, step, kvh, hd, scale, t_begin, t_end, qk, depth, need,
+                            part, m, l, acc);
+    }
+}
+
+// DJ: head dimensions per lane (hd <= 32 * DJ); Q: quantized entries; HEADS: a head per warp.
+template <int DJ, bool Q, bool HEADS>
 DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, int n_heads,
                    int n_kv_heads, int hd, float scale, const f16_t* __restrict__ kc,
                    const f16_t* __restrict__ vc, int slot, long long slot_stride, int splits,
                    int span, f16_t* __restrict__ out, float* partial, int* tickets,
                    const float* __restrict__ rope, const QuantKv& qk,
                    const unsigned* __restrict__ depth, unsigned need) {
-    __shared__ __align__(16) float sq[ATT_MAX_HD];
+    constexpr int H = HEADS ? ATT_WARPS : 1; // heads a block takes
+    __shared__ __align__(16) float sq_heads[H][ATT_MAX_HD];
     __shared__ __align__(16) f16_t sk[ATT_MAX_HD], sv[ATT_MAX_HD];
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][32 * DJ];
+    // The parts' results, [head of the block][part].
+    __shared__ float sm[H][ATT_WARPS], sl[H][ATT_WARPS];
+    __shared__ float sacc[H][ATT_WARPS][32 * DJ];
     __shared__ KvTierDesc st[3];
     if (Q && threadIdx.x < 3) st[threadIdx.x] = kv_tier(qk.d, threadIdx.x);
     kernel_start();
-    const int h = blockIdx.x, r = blockIdx.y, s = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // One head a block (its warps take parts of the positions), or one a warp (it takes every
+    // part in turn), the results the same.
+    const int h = HEADS ? blockIdx.x * ATT_WARPS + warp : blockIdx.x;
+    const int r = blockIdx.y, s = blockIdx.z;
+    const bool head_here = h < n_heads;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     const int total = row_position(step, r) + 1;
     // The splits that hold positions; the others have nothing to add to the merge.
@@ -416,16 +481,17 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     if (s >= active) return;
     const int t_begin = s * per;
     const int t_end = min(total, t_begin + per);
-    const int kvh = h / (n_heads / n_kv_heads);
+    const int kvh = (head_here ? h : 0) / (n_heads / n_kv_heads);
     const RowPages pages = row_pages(step, r);
     const size_t base = (size_t)slot * slot_stride + (size_t)kvh * hd;
     const f16_t* K = kc + base;
     const f16_t* V = vc + base;
     const float* row = qkv + (size_t)r * (q_dim + 2 * kv_dim);
-    const float* q = row + (size_t)h * hd;
+    const float* q = row + (size_t)(head_here ? h : 0) * hd;
+    float* sq = sq_heads[HEADS ? warp : 0];
     // The current position's K and V come from shared memory when this launch rotates them.
-    const int own = rope && t_begin < total && t_end == total ? total - 1 : -1;
-    if (rope) {
+    const int own = !HEADS && rope && t_begin < total && t_end == total ? total - 1 : -1;
+    if (!HEADS && rope) {
         const int half = hd / 2;
         const float* table = rope + (size_t)(total - 1) * hd;
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -453,89 +519,138 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
             }
         }
     } else {
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) sq[i] = round_f16(q[i]);
+        const int from = HEADS ? lane : threadIdx.x, stride = HEADS ? 32 : blockDim.x;
+        if (head_here)
+            for (int i = from; i < hd; i += stride) sq[i] = round_f16(q[i]);
         __syncthreads();
     }
+    if (!head_here) return;
 
-    float m = NEG_INF, l = 0.0f;
-    float acc[DJ];
-#pragma unroll
-    for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
+    // Each part's running max, sum and unnormalized output, in shared memory for the merge.
+    float* part_m = sm[HEADS ? warp : 0];
+    float* part_l = sl[HEADS ? warp : 0];
+    float(*part_acc)[32 * DJ] = sacc[HEADS ? warp : 0];
     const int d0 = DJ * lane;
-    if constexpr (!Q) {
-        f16_positions<DJ>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, depth,
-                          need, m, l, acc);
-    } else {
-        quant_positions<DJ>(sq, st, pages, step, kvh, hd, scale, t_begin, t_end, qk, depth, need,
-                            m, l, acc);
-    }
-
-    // Merge the warps of the block.
-    if (lane == 0) {
-        sm[warp] = m;
-        sl[warp] = l;
-    }
+    const auto pass = [&](int p) {
+        float m = NEG_INF, l = 0.0f, acc[DJ];
 #pragma unroll
-    for (int j = 0; j < DJ; j++) sacc[warp][d0 + j] = acc[j];
-    __syncthreads();
+        for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
+        part_positions<DJ, Q>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, st,
+                              step, kvh, qk, depth, need, p, m, l, acc);
+        if (lane == 0) {
+            part_m[p] = m;
+            part_l[p] = l;
+        }
+#pragma unroll
+        for (int j = 0; j < DJ; j++) part_acc[p][d0 + j] = acc[j];
+    };
+    if constexpr (HEADS) {
+#pragma unroll 1
+        for (int p = 0; p < ATT_WARPS; p++) pass(p);
+        __syncwarp();
+    } else {
+        pass(warp);
+        __syncthreads();
+    }
     float M = NEG_INF;
-    for (int w = 0; w < ATT_WARPS; w++)
-        if (sl[w] > 0.0f) M = fmaxf(M, sm[w]);
-    float L = 0.0f;
-    for (int w = 0; w < ATT_WARPS; w++)
-        if (sl[w] > 0.0f) L += sl[w] * expf(sm[w] - M);
-    float* P = active > 1 ? partial + (((size_t)r * n_heads + h) * splits + s) * (hd + 2) : nullptr;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+#pragma unroll
+    for (int p = 0; p < ATT_WARPS; p++) M = merged_max(M, part_m[p], part_l[p]);
+    float weight[ATT_WARPS], L = 0.0f;
+#pragma unroll
+    for (int p = 0; p < ATT_WARPS; p++) {
+        weight[p] = merge_weight(M, part_m[p], part_l[p]);
+        L = fmaf(part_l[p], weight[p], L);
+    }
+    const auto merged = [&](int d) {
         float a = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++)
-            if (sl[w] > 0.0f) a += sacc[w][d] * expf(sm[w] - M);
-        if (active == 1) {
-            out[(size_t)r * q_dim + (size_t)h * hd + d] = f32_to_f16(__fdiv_rn(a, L));
-        } else {
-            P[2 + d] = a;
+#pragma unroll
+        for (int p = 0; p < ATT_WARPS; p++)
+            if (weight[p] != 0.0f) a = fmaf(part_acc[p][d], weight[p], a);
+        return a;
+    };
+    float* P = active > 1 ? partial + (((size_t)r * n_heads + h) * splits + s) * (hd + 2) : nullptr;
+    f16_t* o = out + (size_t)r * q_dim + (size_t)h * hd;
+    if constexpr (HEADS) {
+#pragma unroll
+        for (int j = 0; j < DJ; j++) {
+            if (d0 + j >= hd) continue;
+            const float a = merged(d0 + j);
+            if (active == 1) {
+                o[d0 + j] = f32_to_f16(__fdiv_rn(a, L));
+            } else {
+                P[2 + d0 + j] = a;
+            }
+        }
+    } else {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            const float a = merged(d);
+            if (active == 1) {
+                o[d] = f32_to_f16(__fdiv_rn(a, L));
+            } else {
+                P[2 + d] = a;
+            }
         }
     }
     if (active == 1) return;
-    // Publish this split's partial; the last split block of (row, head) to finish merges them
-    // (ticket taken after a fence), so no separate combine launch is needed.
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
+    // Publish this split's partial; the last split of (row, head) to finish merges them (ticket
+    // taken after a fence), so no separate combine launch is needed.
+    __shared__ bool last_block;
+    if ((HEADS ? lane : threadIdx.x) == 0) {
         P[0] = M;
         P[1] = L;
     }
     __threadfence();
-    __syncthreads();
     int* ticket = tickets + (size_t)r * n_heads + h;
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == active - 1;
+    const float* parts = partial + ((size_t)r * n_heads + h) * splits * (hd + 2);
+    if constexpr (HEADS) {
+        __syncwarp();
+        const bool took_last = lane == 0 && atomicAdd(ticket, 1) == active - 1;
+        const bool last = __shfl_sync(0xffffffffu, took_last, 0);
+        if (!last) return;
+        __threadfence();
+        combine_splits_warp<DJ>(parts, hd, active, o);
+        if (lane == 0) *ticket = 0;
+        return;
+    }
     __syncthreads();
-    if (!last) return;
+    if (threadIdx.x == 0) last_block = atomicAdd(ticket, 1) == active - 1;
+    __syncthreads();
+    if (!last_block) return;
     __threadfence();
-    combine_splits(partial + ((size_t)r * n_heads + h) * splits * (hd + 2), hd, active,
-                   out + (size_t)r * q_dim + (size_t)h * hd);
+    combine_splits(parts, hd, active, o);
     if (threadIdx.x == 0) *ticket = 0;
 }
 
-// grid (n_heads, rows, splits), ATT_THREADS threads. f16 entries of `slot` (K at kc + slot *
+// grid (n_heads, rows, splits), ATT_THREADS threads; the `heads` kernels take ATT_WARPS heads a
+// block (grid.x = ceil(n_heads / ATT_WARPS)) and no rope. f16 entries of `slot` (K at kc + slot *
 // slot_stride, V likewise), positions kv_dim apart. `depth`: the depth mask, or null.
-#define ATTENTION_KERNEL(DJ)                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BLOCKS(DJ)) attention_dj##DJ(    \
+#define ATTENTION_KERNEL(NAME, DJ, HEADS)                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BLOCKS(DJ)) NAME(                \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
         const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, int span,   \
         f16_t* out, float* partial, int* tickets, const float* rope, const unsigned* depth,        \
         unsigned need) {                                                                           \
         const QuantKv none = {};                                                                   \
-        attention<DJ, false>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot, slot_stride, \
-                             splits, span, out, partial, tickets, rope, none, depth, need);        \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_q_dj##DJ(                  \
+        attention<DJ, false, HEADS>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot,      \
+                                    slot_stride, splits, span, out, partial, tickets, rope, none,  \
+                                    depth, need);                                                  \
+    }
+#define ATTENTION_Q_KERNEL(NAME, DJ, HEADS)                                                        \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(                                \
         const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
         int splits, int span, f16_t* out, float* partial, int* tickets, const unsigned* depth,     \
         unsigned need, const __grid_constant__ QuantKv qk) {                                       \
-        attention<DJ, true>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr, 0, 0,     \
-                            splits, span, out, partial, tickets, nullptr, qk, depth, need);        \
+        attention<DJ, true, HEADS>(qkv, step, n_heads, n_kv_heads, hd, scale, nullptr, nullptr,    \
+                                   0, 0, splits, span, out, partial, tickets, nullptr, qk, depth,  \
+                                   need);                                                          \
     }
+#define ATTENTION_KERNELS(DJ)                                                                      \
+    ATTENTION_KERNEL(attention_dj##DJ, DJ, false)                                                  \
+    ATTENTION_KERNEL(attention_heads_dj##DJ, DJ, true)                                             \
+    ATTENTION_Q_KERNEL(attention_q_dj##DJ, DJ, false)                                              \
+    ATTENTION_Q_KERNEL(attention_q_heads_dj##DJ, DJ, true)
 
-ATTENTION_KERNEL(1)
-ATTENTION_KERNEL(2)
-ATTENTION_KERNEL(4)
-ATTENTION_KERNEL(8)
+ATTENTION_KERNELS(1)
+ATTENTION_KERNELS(2)
+ATTENTION_KERNELS(4)
+ATTENTION_KERNELS(8)

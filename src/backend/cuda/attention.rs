@@ -14,8 +14,17 @@ use crate::kv::{KvCache, KvMode, KvSlot, TierMove, H_TILE, KV_DESC_WORDS};
 
 /// Rows up to which decode attention splits positions across blocks (flash-decoding).
 pub(super) const SPLIT_ROWS: usize = 4;
-/// Most position splits per (row, head).
+/// Most position splits per (row, head) (the kernel's merge by one warp takes at most 32).
 pub(super) const MAX_SPLITS: usize = 32;
+
+/// Warps of an attention block (cuda/attention.cu `ATT_WARPS`): the parts a (row, head, split)'s
+/// positions are cut in, and the heads a block of the `heads` kernels takes.
+const ATT_WARPS: usize = 4;
+
+/// Blocks of one head each, per SM, from which a launch takes the `heads` kernels instead: enough
+/// waves that the per-block work (q, the page table, the merges, a split's fence and ticket)
+/// costs more than the longer chain of a warp that takes all of a head's parts in turn.
+const WARP_HEADS_BLOCKS_PER_SM: usize = 16;
 /// Largest head dimension the attention kernels take.
 pub(super) const MAX_HEAD_DIM: usize = 256;
 /// Threads of the KV kernels (cuda/kv.cu `KV_THREADS`).
@@ -435,6 +444,13 @@ impl CudaBackend {
         }
     }
 
+    /// Whether a launch takes the `heads` attention kernels (a head per warp, [`ATT_WARPS`] a
+    /// block): for launches of many blocks, where the per-block work costs more than a warp's
+    /// longer chain. Both kernels give the same bits, so the choice may follow the launch's shape.
+    fn head_per_warp(&self, rows: usize, n_heads: usize, splits: usize) -> bool {
+        splits <= MAX_SPLITS && rows * n_heads * splits >= WARP_HEADS_BLOCKS_PER_SM * self.gpu.sms
+    }
+
     /// An engine's attention splits for the staged step: the slices of its longest row (every
     /// launch of the step has this grid; rows that need fewer leave the rest idle).
     pub(super) fn pooled_splits(&self, step: &CudaStep) -> usize {
@@ -472,6 +488,7 @@ impl CudaBackend {
             return;
         };
         let (splits, span) = self.splits(step, rows, heads.n_heads, entries.capacity);
+        let per_warp = rope.is_none() && self.head_per_warp(rows, heads.n_heads, splits);
         let partial = self.scratch.ptr + self.partial_offset as u64;
         let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
         let [mask, need] = entries.depth.args();
@@ -495,8 +512,13 @@ impl CudaBackend {
             mask,
             need,
         ];
-        let grid = (heads.n_heads as u32, rows as u32, splits as u32);
-        let f = self.gpu.kernels.attention[dj];
+        let grid = attention_grid(per_warp, heads.n_heads, rows, splits);
+        let kernels = &self.gpu.kernels;
+        let f = if per_warp {
+            kernels.attention_heads[dj]
+        } else {
+            kernels.attention[dj]
+        };
         self.run("attention", f, grid, 128, 0, &args);
     }
 
@@ -516,6 +538,7 @@ impl CudaBackend {
             return;
         };
         let (splits, span) = self.splits(step, rows, heads.n_heads, kv.layout.capacity);
+        let per_warp = self.head_per_warp(rows, heads.n_heads, splits);
         let partial = self.scratch.ptr + self.partial_offset as u64;
         let tickets = self.scratch.ptr + SCRATCH_TICKETS as u64;
         let quant = QuantKvArg {
@@ -542,8 +565,24 @@ impl CudaBackend {
             need,
             Arg::S((&quant as *const QuantKvArg).cast()),
         ];
-        let grid = (heads.n_heads as u32, rows as u32, splits as u32);
-        let f = self.gpu.kernels.attention_q[dj];
+        let grid = attention_grid(per_warp, heads.n_heads, rows, splits);
+        let kernels = &self.gpu.kernels;
+        let f = if per_warp {
+            kernels.attention_q_heads[dj]
+        } else {
+            kernels.attention_q[dj]
+        };
         self.run("attention_q", f, grid, 128, 0, &args);
     }
+}
+
+/// The attention kernels' grid: a block per (head, row, split), or per [`ATT_WARPS`] heads of a
+/// (row, split) for the `heads` kernels.
+fn attention_grid(per_warp: bool, n_heads: usize, rows: usize, splits: usize) -> (u32, u32, u32) {
+    let heads_per_block = if per_warp { ATT_WARPS } else { 1 };
+    (
+        n_heads.div_ceil(heads_per_block) as u32,
+        rows as u32,
+        splits as u32,
+    )
 }

@@ -514,9 +514,12 @@ pub(crate) struct Kernels {
     pub gemm_wgmma: [[sys::CUfunction; 2]; 2],
     pub gemm_unit_sums: sys::CUfunction,
     pub linear_generic: sys::CUfunction,
-    /// `[dj index]`: over f16 entries, and over quantized entries.
+    /// `[dj index]`: over f16 entries, and over quantized entries; the `heads` kernels take a
+    /// head per warp (cuda/attention.cu), for launches of many blocks.
     pub attention: [sys::CUfunction; 4],
+    pub attention_heads: [sys::CUfunction; 4],
     pub attention_q: [sys::CUfunction; 4],
+    pub attention_q_heads: [sys::CUfunction; 4],
     /// `[FLASH_HD index]`: multi-row attention over f16 entries on the tensor cores.
     pub flash_attention: [sys::CUfunction; 4],
     pub kv_store: sys::CUfunction,
@@ -1073,6 +1076,13 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
+    let by_dj = |prefix: &str| -> Result<[sys::CUfunction; 4]> {
+        let mut out = [std::ptr::null_mut(); 4];
+        for (i, dj) in ATT_DJ.iter().enumerate() {
+            out[i] = get(ATTENTION, &format!("{prefix}_dj{dj}"))?;
+        }
+        Ok(out)
+    };
     let by_tiles = |prefix: &str| -> Result<[[sys::CUfunction; 3]; 3]> {
         let mut out = [[std::ptr::null_mut(); 3]; 3];
         for (i, bits) in BITS.iter().enumerate() {
@@ -1128,18 +1138,10 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemm_wgmma: by_wgmma_rows()?,
             gemm_unit_sums: get(GEMM, "gemm_unit_sums")?,
             linear_generic: get(GEMV, "linear_generic")?,
-            attention: [
-                get(ATTENTION, "attention_dj1")?,
-                get(ATTENTION, "attention_dj2")?,
-                get(ATTENTION, "attention_dj4")?,
-                get(ATTENTION, "attention_dj8")?,
-            ],
-            attention_q: [
-                get(ATTENTION, "attention_q_dj1")?,
-                get(ATTENTION, "attention_q_dj2")?,
-                get(ATTENTION, "attention_q_dj4")?,
-                get(ATTENTION, "attention_q_dj8")?,
-            ],
+            attention: by_dj("attention")?,
+            attention_heads: by_dj("attention_heads")?,
+            attention_q: by_dj("attention_q")?,
+            attention_q_heads: by_dj("attention_q_heads")?,
             flash_attention: [
                 get(FLASH, "flash_attention_hd16")?,
                 get(FLASH, "flash_attention_hd32")?,
