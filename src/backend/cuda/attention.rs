@@ -513,12 +513,7 @@ impl CudaBackend {
             need,
         ];
         let grid = attention_grid(per_warp, heads.n_heads, rows, splits);
-        let kernels = &self.gpu.kernels;
-        let f = if per_warp {
-            kernels.attention_heads[dj]
-        } else {
-            kernels.attention[dj]
-        };
+        let f = self.gpu.kernels.attention[usize::from(per_warp)][dj];
         self.run("attention", f, grid, 128, 0, &args);
     }
 
@@ -566,12 +561,7 @@ impl CudaBackend {
             Arg::S((&quant as *const QuantKvArg).cast()),
         ];
         let grid = attention_grid(per_warp, heads.n_heads, rows, splits);
-        let kernels = &self.gpu.kernels;
-        let f = if per_warp {
-            kernels.attention_q_heads[dj]
-        } else {
-            kernels.attention_q[dj]
-        };
+        let f = self.gpu.kernels.attention_q[usize::from(per_warp)][dj];
         self.run("attention_q", f, grid, 128, 0, &args);
     }
 }

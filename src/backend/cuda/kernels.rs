@@ -514,12 +514,10 @@ pub(crate) struct Kernels {
     pub gemm_wgmma: [[sys::CUfunction; 2]; 2],
     pub gemm_unit_sums: sys::CUfunction,
     pub linear_generic: sys::CUfunction,
-    /// `[dj index]`: over f16 entries, and over quantized entries; the `heads` kernels take a
-    /// head per warp (cuda/attention.cu), for launches of many blocks.
-    pub attention: [sys::CUfunction; 4],
-    pub attention_heads: [sys::CUfunction; 4],
-    pub attention_q: [sys::CUfunction; 4],
-    pub attention_q_heads: [sys::CUfunction; 4],
+    /// `[a head per warp][dj index]`: over f16 entries, and over quantized entries; index 1 is
+    /// the `heads` kernels (cuda/attention.cu), for launches of many blocks.
+    pub attention: [[sys::CUfunction; 4]; 2],
+    pub attention_q: [[sys::CUfunction; 4]; 2],
     /// `[FLASH_HD index]`: multi-row attention over f16 entries on the tensor cores.
     pub flash_attention: [sys::CUfunction; 4],
     pub kv_store: sys::CUfunction,
@@ -1138,10 +1136,8 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
             gemm_wgmma: by_wgmma_rows()?,
             gemm_unit_sums: get(GEMM, "gemm_unit_sums")?,
             linear_generic: get(GEMV, "linear_generic")?,
-            attention: by_dj("attention")?,
-            attention_heads: by_dj("attention_heads")?,
-            attention_q: by_dj("attention_q")?,
-            attention_q_heads: by_dj("attention_q_heads")?,
+            attention: [by_dj("attention")?, by_dj("attention_heads")?],
+            attention_q: [by_dj("attention_q")?, by_dj("attention_q_heads")?],
             flash_attention: [
                 get(FLASH, "flash_attention_hd16")?,
                 get(FLASH, "flash_attention_hd32")?,
