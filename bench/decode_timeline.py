@@ -12,27 +12,15 @@ step's span.
 """
 
 import argparse
-import json
-import os
-import tempfile
 
-import torch
 import tinyloop_py
+from kernel_trace import traced_kernels
 
 
 def step_kernels(model, loops):
     prompt = list(range(5, 21))
     model.generate(prompt, max_tokens=16, loops=loops)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        model.generate(prompt, max_tokens=8, loops=loops)
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted(
-        (e["ts"], e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel"
-    )
+    kernels = traced_kernels(lambda: model.generate(prompt, max_tokens=8, loops=loops))
     embeds = [i for i, k in enumerate(kernels) if "embed" in k[2]]
     if len(embeds) < 3:
         raise SystemExit("fewer than three embedding kernels traced: no whole step between two")

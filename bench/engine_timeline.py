@@ -15,31 +15,17 @@ time, each kernel's median busy time per step.
 
 import argparse
 import collections
-import json
-import os
 import statistics
-import tempfile
 
-import torch
 import tinyloop_py
 from engine_depths import prompts
+from kernel_trace import traced_kernels
 
 
 def run_round(engine, requests, tokens):
     """Submit every request at once and wait for all; returns the tokens generated."""
     handles = [engine.submit(p, max_tokens=tokens, temperature=0) for p in requests]
     return sum(len(list(h)) for h in handles)
-
-
-def traced_kernels(engine, requests, tokens):
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        run_round(engine, requests, tokens)
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    return sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "kernel")
 
 
 def busy(intervals):
@@ -84,7 +70,7 @@ def main():
     with tinyloop_py.Engine(model, max_step_rows=args.max_step_rows, max_running=args.clients,
                             pool_positions=pool) as engine:
         run_round(engine, requests, args.tokens)
-        kernels = traced_kernels(engine, requests, args.tokens)
+        kernels = traced_kernels(lambda: run_round(engine, requests, args.tokens))
     window = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
     print(f"window {window / 1e3:.1f} ms, GPU busy {busy((k[0], k[0] + k[1]) for k in kernels) / 1e3:.1f} ms,"
           f" {args.clients * args.tokens / window * 1e6:.0f} generated tokens/s")
