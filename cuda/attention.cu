@@ -287,23 +287,32 @@ DEV F16Group<DJ> load_f16_group(const f16_t* K, const f16_t* V, const f16_t* sk,
         const int t = min(t0 + j, t_end - 1);
         const int entry = pages.page ? __shfl_sync(0xffffffffu, lane_entry, j) : t;
         const size_t e = (size_t)entry * kv_dim;
-        g.k[j] = lane_halves<DJ>(t == own ? sk : K + e, first, hd, whole);
-        g.v[j] = lane_halves<DJ>(t == own ? sv : V + e, first, hd, whole);
+        // own >= 0 first: where it is known to be -1 (the heads kernels) the loads are global.
+        const bool mine = own >= 0 && t == own;
+        g.k[j] = lane_halves<DJ>(mine ? sk : K + e, first, hd, whole);
+        g.v[j] = lane_halves<DJ>(mine ? sv : V + e, first, hd, whole);
     }
     return g;
 }
 
-// The f16 entries' pass over positions t_begin .. t_end: part p (of ATT_WARPS) takes the groups
-// of G positions that start at t_begin + G * (p + ATT_WARPS * i), lanes over head dimensions
-// (lane l holds d0 = DJ * l .. d0 + DJ, as in the output). A position's score is the lanes'
-// partial products (each over its DJ dimensions in order) summed across the warp (group_score);
-// the online softmax then takes the group at once (group_update). The next group's loads are
-// issued before this one's sums, so a warp waits for memory once per group, not per position.
-template <int DJ>
+// A part's running max, sum and unnormalized output (the lane's DJ dimensions), from nothing.
+template <int DJ> struct PartState {
+    float m = NEG_INF, l = 0.0f, acc[DJ] = {};
+};
+
+// The f16 entries' pass over positions t_begin .. t_end for parts p_first .. p_end in turn: part
+// p takes the groups of G positions that start at t_begin + G * (p + ATT_WARPS * i), lanes over
+// head dimensions (lane l holds d0 = DJ * l .. d0 + DJ, as in the output), and hands its state
+// to `done(p, state)` when its groups are through. A position's score is the lanes' partial
+// products (each over its DJ dimensions in order) summed across the warp (group_score); the
+// online softmax then takes the group at once (group_update). The next group's loads, the next
+// part's first one included, are issued before this one's sums, so a warp waits for memory once
+// per group, not per position, and once per pass, not per part.
+template <int DJ, typename Done>
 DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
                        const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
                        float scale, int t_begin, int t_end, const unsigned* depth, unsigned need,
-                       int part, float& m, float& l, float (&acc)[DJ]) {
+                       int p_first, int p_end, Done done) {
     constexpr int G = ATT_GROUP(DJ);
     const int lane = threadIdx.x & 31;
     // Whole: hd a multiple of DJ, so a lane holds all of its DJ dimensions or none (hd 96 with
@@ -318,25 +327,42 @@ DEV void f16_positions(const float* sq, const f16_t* K, const f16_t* V, const f1
     const auto load = [&](int from) {
         return load_f16_group<DJ>(K, V, sk, sv, own, pages, kv_dim, from, t_end, first, hd, whole);
     };
-    int t0 = t_begin + G * part;
-    if (t0 >= t_end) return;
-    F16Group<DJ> cur = load(t0);
-    for (; t0 < t_end; t0 += G * ATT_WARPS) {
-        const int next = t0 + G * ATT_WARPS;
-        F16Group<DJ> nxt;
-        if (next < t_end) nxt = load(next);
-        float partial[G];
+    // Part p's first group starts at first_of(p), later parts' later: once a part has none,
+    // neither has any part after it.
+    const auto first_of = [&](int p) { return t_begin + G * p; };
+    int p = p_first, t0 = first_of(p);
+    PartState<DJ> state;
+    if (t0 < t_end) {
+        F16Group<DJ> cur = load(t0);
+        for (;;) {
+            int next_p = p, next = t0 + G * ATT_WARPS;
+            if (next >= t_end) next = first_of(++next_p);
+            const bool more = next_p < p_end && next < t_end;
+            F16Group<DJ> nxt;
+            if (more) nxt = load(next);
+            float partial[G];
 #pragma unroll
-        for (int j = 0; j < G; j++) {
-            float dot = 0.0f;
+            for (int j = 0; j < G; j++) {
+                float dot = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DJ; i++) dot = fmaf(q[i], half_at(cur.k[j], i), dot);
-            partial[j] = dot;
+                for (int i = 0; i < DJ; i++) dot = fmaf(q[i], half_at(cur.k[j], i), dot);
+                partial[j] = dot;
+            }
+            const float s = group_score<G>(partial, holds, t0, t_end, depth, need, scale);
+            group_update<G, DJ>(s, [&](int j, int i) { return half_at(cur.v[j], i); }, state.m,
+                                state.l, state.acc);
+            if (next_p != p) {
+                done(p, state);
+                state = PartState<DJ>();
+            }
+            if (!more) break;
+            cur = nxt;
+            p = next_p;
+            t0 = next;
         }
-        const float s = group_score<G>(partial, holds, t0, t_end, depth, need, scale);
-        group_update<G, DJ>(s, [&](int j, int i) { return half_at(cur.v[j], i); }, m, l, acc);
-        if (next < t_end) cur = nxt;
+        p++;
     }
+    for (; p < p_end; p++) done(p, state);
 }
 
 // Where a position's quantized entries are (byte offsets from the cache's base, of the chain's
@@ -434,19 +460,25 @@ DEV void quant_positions(const float* sq, const KvTierDesc* st, const RowPages& 
     }
 }
 
-// One part's pass over positions t_begin .. t_end (the groups of part `part`, see f16_positions).
-template <int DJ, bool Q>
+// The passes of parts p_first .. p_end over positions t_begin .. t_end (see f16_positions), each
+// part's state handed to `done(p, state)`.
+template <int DJ, bool Q, typename Done>
 DEV void part_positions(const float* sq, const f16_t* K, const f16_t* V, const f16_t* sk,
                         const f16_t* sv, int own, const RowPages& pages, int kv_dim, int hd,
                         float scale, int t_begin, int t_end, const KvTierDesc* st, const int* step,
-                        int kvh, const QuantKv& qk, const unsigned* depth, unsigned need, int part,
-                        float& m, float& l, float (&acc)[DJ]) {
+                        int kvh, const QuantKv& qk, const unsigned* depth, unsigned need,
+                        int p_first, int p_end, Done done) {
     if constexpr (!Q) {
         f16_positions<DJ>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, depth,
-                          need, part, m, l, acc);
+                          need, p_first, p_end, done);
     } else {
-        quant_positions<DJ>(sq, st, pages, step, kvh, hd, scale, t_begin, t_end, qk, depth, need,
-                            part, m, l, acc);
+#pragma unroll 1
+        for (int p = p_first; p < p_end; p++) {
+            PartState<DJ> state;
+            quant_positions<DJ>(sq, st, pages, step, kvh, hd, scale, t_begin, t_end, qk, depth,
+                                need, p, state.m, state.l, state.acc);
+            done(p, state);
+        }
     }
 }
 
@@ -531,25 +563,21 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
     float* part_l = sl[HEADS ? warp : 0];
     float(*part_acc)[32 * DJ] = sacc[HEADS ? warp : 0];
     const int d0 = DJ * lane;
-    const auto pass = [&](int p) {
-        float m = NEG_INF, l = 0.0f, acc[DJ];
-#pragma unroll
-        for (int j = 0; j < DJ; j++) acc[j] = 0.0f;
-        part_positions<DJ, Q>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, st,
-                              step, kvh, qk, depth, need, p, m, l, acc);
+    const auto done = [&](int p, const PartState<DJ>& state) {
         if (lane == 0) {
-            part_m[p] = m;
-            part_l[p] = l;
+            part_m[p] = state.m;
+            part_l[p] = state.l;
         }
 #pragma unroll
-        for (int j = 0; j < DJ; j++) part_acc[p][d0 + j] = acc[j];
+        for (int j = 0; j < DJ; j++) part_acc[p][d0 + j] = state.acc[j];
     };
+    // A warp takes every part in turn, or its own.
+    part_positions<DJ, Q>(sq, K, V, sk, sv, own, pages, kv_dim, hd, scale, t_begin, t_end, st, step,
+                          kvh, qk, depth, need, HEADS ? 0 : warp, HEADS ? ATT_WARPS : warp + 1,
+                          done);
     if constexpr (HEADS) {
-#pragma unroll 1
-        for (int p = 0; p < ATT_WARPS; p++) pass(p);
         __syncwarp();
     } else {
-        pass(warp);
         __syncthreads();
     }
     float M = NEG_INF;
