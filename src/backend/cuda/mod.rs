@@ -64,13 +64,14 @@ pub use step::CudaStep;
 const SCRATCH_ENTROPY_TICKET: usize = 8;
 /// A ticket per row of an argmax launch whose rows split across blocks (ARGMAX_BLOCKS / 2 words).
 const SCRATCH_ARGMAX_TICKETS: usize = 512;
-const SCRATCH_ARGMAX_VALUES: usize = 1024;
-const SCRATCH_ARGMAX_INDICES: usize = 2048;
+const SCRATCH_ARGMAX_VALUES: usize = SCRATCH_ARGMAX_TICKETS + 4 * ARGMAX_BLOCKS / 2;
+const SCRATCH_ARGMAX_INDICES: usize = SCRATCH_ARGMAX_VALUES + 4 * ARGMAX_BLOCKS;
 /// Three f32 partials (max, S, T) per block of the entropy kernel.
-const SCRATCH_ENTROPY_PARTS: usize = 3072;
+const SCRATCH_ENTROPY_PARTS: usize = SCRATCH_ARGMAX_INDICES + 4 * ARGMAX_BLOCKS;
 const SCRATCH_TICKETS: usize = SCRATCH_ENTROPY_PARTS + 3 * 4 * ARGMAX_BLOCKS;
-/// Most blocks of the argmax and entropy kernels (one candidate each in the scratch buffer).
-const ARGMAX_BLOCKS: usize = 256;
+/// Most blocks of the argmax and entropy kernels (one candidate each in the scratch buffer):
+/// enough that an engine's step of 256 rows gives each row's 50k logits eight blocks.
+const ARGMAX_BLOCKS: usize = 2048;
 /// Floats of per-segment sums a session's products may split into (4 MiB: 16 rows of an
 /// 8192-wide product over K = 2048); a product that needs more takes an unsplit kernel. An
 /// engine's backend holds enough for every block product of its largest step
