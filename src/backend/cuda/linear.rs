@@ -343,28 +343,64 @@ impl CudaBackend {
     /// A product of many rows on wgmma ([`WgmmaGemmPlan`]): the S of every unit into the
     /// scratch's partial sums, then the product. `args` are `gemm_b*`'s.
     fn wgmma_product(&self, args: &[Arg], plan: WgmmaGemmPlan) {
-        let k = &self.gpu.kernels;
+        self.unit_sums(args, plan);
+        self.wgmma_on_sums(args, plan);
+    }
+
+    /// The S of every unit of X (`args` are `gemm_b*`'s) for `plan`, into the scratch's partial
+    /// sums, where [`Self::wgmma_on_sums`] reads them.
+    fn unit_sums(&self, args: &[Arg], plan: WgmmaGemmPlan) {
         let (sums, _) = self.gemm_parts();
         let (x, rows, cols, group) = (args[0], args[1], args[2], args[7]);
         let sums_args = [x, rows, cols, group, Arg::usize(plan.sums_ld), Arg::P(sums)];
         self.run(
             "gemm_unit_sums",
-            k.gemm_unit_sums,
+            self.gpu.kernels.gemm_unit_sums,
             plan.sums_grid(),
             256,
             0,
             &sums_args,
         );
+    }
+
+    /// The product of `args` on wgmma, over the S that [`Self::unit_sums`] left for its X.
+    fn wgmma_on_sums(&self, args: &[Arg], plan: WgmmaGemmPlan) {
+        let (sums, _) = self.gemm_parts();
         let mut product_args = args[..8].to_vec();
         product_args.extend([Arg::P(sums), Arg::usize(plan.sums_ld), args[9], args[10]]);
         self.run(
             "gemm_wgmma",
-            k.gemm_wgmma[plan.bits_index][plan.rows_index],
+            self.gpu.kernels.gemm_wgmma[plan.bits_index][plan.rows_index],
             plan.grid(),
             kernels::WGMMA_GEMM_THREADS,
             plan.smem,
             &product_args,
         );
+    }
+
+    /// Gate and up of `rows` rows on wgmma, over one computation of their X's S (the same X, so
+    /// the same S): runs (and returns true) only where both would take wgmma anyway.
+    fn wgmma_gate_up(
+        &self,
+        x: u64,
+        rows: usize,
+        gate: &CudaLinear,
+        up: &CudaLinear,
+        (gate_out, up_out): (u64, u64),
+    ) -> bool {
+        let fast = gate.fast && same_shape(gate, up);
+        if !fast || self.has_fp16_product(gate) || self.has_fp16_product(up) {
+            return false;
+        }
+        let (_, floats) = self.gemm_parts();
+        let Some(BlockPlan::Wgmma(plan)) = self.block_plan(rows, gate, gate.rows, floats) else {
+            return false;
+        };
+        let gate_args = gemm_args(x, rows, gate, 0, gate.rows, gate_out, false);
+        self.unit_sums(&gate_args, plan);
+        self.wgmma_on_sums(&gate_args, plan);
+        self.wgmma_on_sums(&gemm_args(x, rows, up, 0, up.rows, up_out, false), plan);
+        true
     }
 
     /// A product of few rows split by segment ([`SplitGemmPlan`]): each segment's sums into
@@ -660,8 +696,11 @@ impl CudaBackend {
                 if self.split_swiglu(x.ptr, rows, gate, up, out.ptr) {
                     return;
                 }
-                self.matmul(x.ptr, rows, gate, gate_buf.ptr, false);
-                self.matmul(x.ptr, rows, up, up_buf.ptr, false);
+                let outs = (gate_buf.ptr, up_buf.ptr);
+                if !self.wgmma_gate_up(x.ptr, rows, gate, up, outs) {
+                    self.matmul(x.ptr, rows, gate, gate_buf.ptr, false);
+                    self.matmul(x.ptr, rows, up, up_buf.ptr, false);
+                }
                 let len = rows * gate.rows;
                 self.run(
                     "swiglu",
