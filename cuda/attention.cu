@@ -43,9 +43,11 @@
 #define ATT_THREADS 128
 #define ATT_WARPS (ATT_THREADS / 32)
 #define ATT_MAX_HD 256
-// Blocks an SM keeps of the f16-entry kernels: four up to hd 128, so that a warp holds two groups
-// of positions' K and V (the one it sums and the next one's loads) without spilling.
-#define ATT_BLOCKS(DJ) ((DJ) <= 4 ? 4 : 1)
+// Blocks an SM keeps of the f16-entry kernels up to hd 128: as many as leave a warp the registers
+// for two groups of positions' K and V (the one it sums and the next one's loads) without
+// spilling, four of the kernels with a head a block and five of those with a head a warp (96
+// registers).
+#define ATT_BLOCKS(DJ, HEADS) ((DJ) <= 4 ? ((HEADS) ? 5 : 4) : 1)
 
 // Whether position t reached the iteration `need` under the depth mask (always without one).
 DEV bool reached(const unsigned* depth, unsigned need, int t) { return !depth || depth[t] >= need; }
@@ -653,13 +655,13 @@ DEV void attention(const float* __restrict__ qkv, const int* __restrict__ step, 
 // block (grid.x = ceil(n_heads / ATT_WARPS)) and no rope. f16 entries of `slot` (K at kc + slot *
 // slot_stride, V likewise), positions kv_dim apart. `depth`: the depth mask, or null.
 #define ATTENTION_KERNEL(NAME, DJ, HEADS)                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BLOCKS(DJ)) NAME(                \
-        const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,       \
-        const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits, int span,   \
-        f16_t* out, float* partial, int* tickets, const float* rope, const unsigned* depth,        \
-        unsigned need) {                                                                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BLOCKS(DJ, HEADS))               \
+        NAME(const float* qkv, const int* step, int n_heads, int n_kv_heads, int hd, float scale,  \
+             const f16_t* kc, const f16_t* vc, int slot, long long slot_stride, int splits,        \
+             int span, f16_t* out, float* partial, int* tickets, const float* rope,                \
+             const unsigned* depth, unsigned need) {                                               \
         const QuantKv none = {};                                                                   \
-        attention<DJ, false, HEADS>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot,      \
+        attention<DJ, false, HEADS>(qkv, step, n_heads, n_kv_heads, hd, scale, kc, vc, slot,       \
                                     slot_stride, splits, span, out, partial, tickets, rope, none,  \
                                     depth, need);                                                  \
     }
