@@ -819,6 +819,7 @@ DEV int wg_code_row(int bits) { return bits == 4 ? 48 : 16; }
 // multiple of 1024 so that every stage's X keeps the swizzle's alignment: X (BM rows of 128
 // bytes), the codes, the scale and zero words [half][scale, zero][row], and S [half][BM].
 DEV int wg_stage_bytes(int bits, int bm) {
+    if (bits == 16) return bm * 128 + WG_COLS * 128; // gemm_wgmma_f16: X, then the weights
     const int bytes = bm * 128 + WG_COLS * wg_code_row(bits) + 4 * WG_COLS * 4 + 2 * bm * 4;
     return (bytes + 1023) & ~1023;
 }
@@ -843,50 +844,55 @@ template <int R> DEV void wgmma_pin(float (&d)[R]) {
     for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The accumulator operands of a warpgroup's wgmma of BM (64 or 128) columns: the register list
+// of its PTX and the constraints that bind d[0..BM/2) to it.
+#define WG_D10(i)                                                                                  \
+    "%" #i "0, %" #i "1, %" #i "2, %" #i "3, %" #i "4, %" #i "5, %" #i "6, %" #i "7, %" #i "8, %" #i "9"
+#define WG_D30 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, " WG_D10(1) ", " WG_D10(2)
+#define WG_D32 WG_D30 ", %30, %31"
+#define WG_D64 WG_D30 ", " WG_D10(3) ", " WG_D10(4) ", " WG_D10(5) ", %60, %61, %62, %63"
+#define WG_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_F16(d, i) WG_F4(d, i), WG_F4(d, i + 4), WG_F4(d, i + 8), WG_F4(d, i + 12)
+#define WG_OUT32(d) WG_F16(d, 0), WG_F16(d, 16)
+#define WG_OUT64(d) WG_OUT32(d), WG_F16(d, 32), WG_F16(d, 48)
+
 // d (+)= A · B for a warpgroup: A 64 x 16 from registers (each warp's 16 rows as mma.sync's A
 // fragment), B BM x 16 K-major at `desc`; d from zero when `accumulate` is 0.
 template <int BM> DEV void wgmma_step(float (&d)[BM / 2], const u32 (&a)[4], u64 desc,
                                       int accumulate) {
     if constexpr (BM == 64) {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-                     "%0, %1, %2, %3, %4, %5, %6, %7, "
-                     "%8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, "
-                     "%24, %25, %26, %27, %28, %29, %30, %31"
-                     "}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31])
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WG_D32 "}, "
+                     "{%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
+                     : WG_OUT32(d)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc)
                      : "memory");
     } else {
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-                     "%0, %1, %2, %3, %4, %5, %6, %7, "
-                     "%8, %9, %10, %11, %12, %13, %14, %15, "
-                     "%16, %17, %18, %19, %20, %21, %22, %23, "
-                     "%24, %25, %26, %27, %28, %29, %30, %31, "
-                     "%32, %33, %34, %35, %36, %37, %38, %39, "
-                     "%40, %41, %42, %43, %44, %45, %46, %47, "
-                     "%48, %49, %50, %51, %52, %53, %54, %55, "
-                     "%56, %57, %58, %59, %60, %61, %62, %63"
-                     "}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                       "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                       "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                       "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-                       "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                       "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-                       "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-                       "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" WG_D64 "}, "
+                     "{%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+                     : WG_OUT64(d)
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc)
+                     : "memory");
+    }
+}
+
+// The same with A from shared memory too: A 64 x 16 at `a_desc`, K-major like B.
+template <int BM> DEV void wgmma_step_ss(float (&d)[BM / 2], u64 a_desc, u64 b_desc,
+                                         int accumulate) {
+    if constexpr (BM == 64) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WG_D32 "}, "
+                     "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : WG_OUT32(d)
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate)
+                     : "memory");
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" WG_D64 "}, "
+                     "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : WG_OUT64(d)
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate)
                      : "memory");
     }
 }
@@ -914,6 +920,67 @@ DEV void read_a_frag(u32 (&a)[4], const u8* codes, int code_row, int row, int k)
 }
 #endif
 
+// A thread's copies of a block's BM rows of X into a stage, worked out once (each tile adds its
+// offset): piece c (8 halves) of row r goes to piece c ^ (r % 8) of the row (the 128-byte
+// swizzle wgmma reads), rows past M land as zeros.
+template <int BM> struct WgXCopies {
+    static constexpr int COPIES = BM * 8 / WG_THREADS; // 16-byte pieces per thread and tile
+    const f16_t* src[COPIES];
+    int bytes[COPIES];
+    u32 dst;
+
+    __device__ WgXCopies(const f16_t* __restrict__ X, int M, int K, int m0) {
+        const int part = threadIdx.x & 7, row = threadIdx.x >> 3;
+        dst = row * 128 + ((part ^ (row & 7)) << 4);
+#pragma unroll
+        for (int i = 0; i < COPIES; i++) {
+            const int m = m0 + row + i * (WG_THREADS / 8);
+            src[i] = X + (size_t)min(m, M - 1) * K + part * 8;
+            bytes[i] = m < M ? 16 : 0;
+        }
+    }
+
+    // The 64-wide tile j into the stage at `st`.
+    __device__ void copy(u32 st, int j) const {
+#pragma unroll
+        for (int i = 0; i < COPIES; i++)
+            cp_async16(st + dst + i * (WG_THREADS / 8) * 128, src[i] + j * 64, bytes[i]);
+    }
+};
+
+// Where a thread's outputs go: its weight rows n and n + 8 of the N, its rows of X m and m + 1
+// (then every 8 after them) of the M.
+struct WgOutputs {
+    int n, m, N, M;
+};
+
+// A segment ends: its sums `seg` join those before it (`before`, four to a slot, the slots of
+// one four of all threads side by side), in order from zero, and after the last segment the
+// totals are stored (added to `out` when `accumulate`).
+template <int ACC>
+DEV void wg_segment_ends(const float (&seg)[ACC], float4* before, bool first, bool last,
+                         WgOutputs o, float* __restrict__ out, int accumulate) {
+#pragma unroll
+    for (int c = 0; c < ACC / 4; c++) {
+        float4* slot = before + c * WG_THREADS;
+        const float4 b = first ? float4{0.0f, 0.0f, 0.0f, 0.0f} : *slot;
+        const float sum[4] = {__fadd_rn(b.x, seg[4 * c]), __fadd_rn(b.y, seg[4 * c + 1]),
+                              __fadd_rn(b.z, seg[4 * c + 2]), __fadd_rn(b.w, seg[4 * c + 3])};
+        if (!last) {
+            *slot = float4{sum[0], sum[1], sum[2], sum[3]};
+            continue;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int n = o.n + (e & 2 ? 8 : 0), m = o.m + 8 * c + (e & 1);
+            if (m < o.M && n < o.N) {
+                const size_t at = (size_t)m * o.N + n;
+                out[at] = accumulate ? __fadd_rn(out[at], sum[e]) : sum[e];
+            }
+        }
+    }
+}
+
 // Dynamic shared memory: 1024 bytes of alignment slack, the ring, then each thread's BM / 2
 // sums of the segments before the current one, four to a 16-byte slot (the slots of one four
 // of all threads side by side, so that a warp's loads are whole lines). `sums` holds gemm_unit_sums' S (rows `ld` apart,
@@ -926,7 +993,6 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
                     int accumulate) {
 #if TL_WGMMA
     constexpr int ACC = BM / 2;
-    constexpr int X_COPIES = BM * 8 / WG_THREADS; // 16-byte pieces of X per thread and tile
     constexpr int W_PIECES = BITS * 64 / 8 / 16;  // 16-byte pieces of a weight row's tile
     extern __shared__ __align__(16) u8 smem[];
     const int tid = threadIdx.x, t = tid & 3;
@@ -943,21 +1009,11 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     const size_t row_bytes = (size_t)K * BITS / 8;
     const int G = K / group, tiles = K / 64;
 
-    // The copies, worked out once; each tile adds its offsets. X: piece c (8 halves) of row r
-    // goes to piece c ^ (r % 8) of the row (the swizzle), rows past M land as zeros. Weight rows
-    // past N repeat row N - 1 and their outputs are never stored. A thread copies the scale (or
-    // zero: the second 128 threads) words of one weight row for both halves of a tile, and the
-    // first BM / 2 threads a piece of S each.
-    const int x_part = tid & 7, x_row = tid >> 3;
-    const u32 x_dst = x_row * 128 + ((x_part ^ (x_row & 7)) << 4);
-    const f16_t* x_src[X_COPIES];
-    int x_bytes[X_COPIES];
-#pragma unroll
-    for (int i = 0; i < X_COPIES; i++) {
-        const int m = m0 + x_row + i * (WG_THREADS / 8);
-        x_src[i] = X + (size_t)min(m, M - 1) * K + x_part * 8;
-        x_bytes[i] = m < M ? 16 : 0;
-    }
+    // The copies, worked out once; each tile adds its offsets. Weight rows past N repeat row
+    // N - 1 and their outputs are never stored. A thread copies the scale (or zero: the second
+    // 128 threads) words of one weight row for both halves of a tile, and the first BM / 2
+    // threads a piece of S each.
+    const WgXCopies<BM> x_copies(X, M, K, m0);
     const int w_row = tid / W_PIECES, w_part = tid % W_PIECES;
     const u8* w_src = W + (size_t)min(nb + w_row, N - 1) * row_bytes + w_part * 16;
     const u32 w_dst = codes_at + w_row * code_row + w_part * 16;
@@ -970,9 +1026,7 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
     auto copy_tile = [&](int j) {
         if (j < tiles) {
             const u32 st = ring + (j % WG_STAGES) * stage_bytes;
-#pragma unroll
-            for (int i = 0; i < X_COPIES; i++)
-                cp_async16(st + x_dst + i * (WG_THREADS / 8) * 128, x_src[i] + j * 64, x_bytes[i]);
+            x_copies.copy(st, j);
             if (w_row < WG_COLS) cp_async16(st + w_dst, w_src + j * (BITS * 8), 16);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -1053,31 +1107,76 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         wgmma_wait<1>();
         const bool last = j + 1 == tiles;
         if (!last && (k0 + 64) % GEMM_SEGMENT != 0) continue;
-        // A segment ends: its sums join those before it, in order from zero, four at a time.
-        const bool first = k0 < GEMM_SEGMENT;
+        wg_segment_ends(seg, before, k0 < GEMM_SEGMENT, last, {nb + row0, m0 + 2 * t, N, M},
+                        out, accumulate);
 #pragma unroll
-        for (int c = 0; c < ACC / 4; c++) {
-            float4* slot = before + c * WG_THREADS;
-            const float4 b = first ? float4{0.0f, 0.0f, 0.0f, 0.0f} : *slot;
-            const float sum[4] = {__fadd_rn(b.x, seg[4 * c]), __fadd_rn(b.y, seg[4 * c + 1]),
-                                  __fadd_rn(b.z, seg[4 * c + 2]), __fadd_rn(b.w, seg[4 * c + 3])};
-#pragma unroll
-            for (int e = 0; e < 4; e++) seg[4 * c + e] = 0.0f;
-            if (!last) {
-                *slot = float4{sum[0], sum[1], sum[2], sum[3]};
-                continue;
-            }
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int n = nb + row0 + (e & 2 ? 8 : 0), m = m0 + 8 * c + 2 * t + (e & 1);
-                if (m < M && n < N) {
-                    const size_t at = (size_t)m * N + n;
-                    out[at] = accumulate ? __fadd_rn(out[at], sum[e]) : sum[e];
-                }
-            }
-        }
+        for (int i = 0; i < ACC; i++) seg[i] = 0.0f;
     }
     wgmma_wait<0>();
+#endif
+}
+
+// gemm_wgmma for f16 weights: both operands come from shared memory, the weight rows in the
+// 128-byte swizzle of X (each warpgroup's 64 rows are its A), and the k16 chain of a segment
+// accumulates into the segment's sums directly, as the other kernels' f16 path does. A stage is
+// BM rows of X, then the WG_COLS weight rows; the segments' sums are gemm_wgmma's.
+template <int BM>
+DEV void gemm_wgmma_f16(const f16_t* __restrict__ X, int M, int K, const f16_t* __restrict__ W,
+                        int N, float* __restrict__ out, int accumulate) {
+#if TL_WGMMA
+    constexpr int ACC = BM / 2;
+    extern __shared__ __align__(16) u8 smem[];
+    const int tid = threadIdx.x, t = tid & 3, warpgroup = tid >> 7;
+    const int row0 = warpgroup * 64 + ((tid >> 5) & 3) * 16 + ((tid & 31) >> 2);
+    const int m0 = blockIdx.y * BM, nb = blockIdx.x * WG_COLS;
+    const u32 base = smem_addr(smem), ring = (base + 1023) & ~1023u;
+    const int stage_bytes = wg_stage_bytes(16, BM), w_at = BM * 128;
+    float4* before = (float4*)(smem + (ring - base) + WG_STAGES * stage_bytes) + tid;
+    const int tiles = K / 64;
+
+    // The block's weight rows are copied as X is (rows past N land as zeros; their outputs are
+    // never stored).
+    const WgXCopies<BM> x_copies(X, M, K, m0);
+    const WgXCopies<WG_COLS> w_copies(W + (size_t)nb * K, N - nb, K, 0);
+    auto copy_tile = [&](int j) {
+        if (j < tiles) {
+            const u32 st = ring + (j % WG_STAGES) * stage_bytes;
+            x_copies.copy(st, j);
+            w_copies.copy(st + w_at, j);
+        }
+        cp_async_commit();
+    };
+    kernel_start();
+#pragma unroll
+    for (int j = 0; j < WG_AHEAD; j++) copy_tile(j);
+
+    // A segment's chain starts from zero by its first wgmma (as the other kernels' MMAs add to a
+    // zeroed accumulator: the sums differ at most in the sign of a zero, which the segment's
+    // addition from zero removes), so that no other instruction writes the accumulators; and a
+    // loop of its own, so that no path where they are still being written joins one where they
+    // are read.
+    float seg[ACC];
+    for (int j0 = 0; j0 < tiles; j0 += GEMM_SEGMENT / 64) {
+        const int j_end = min(tiles, j0 + GEMM_SEGMENT / 64);
+        for (int j = j0; j < j_end; j++) {
+            cp_async_wait<WG_AHEAD - 1>();
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+            copy_tile(j + WG_AHEAD);
+            const u32 st = ring + (j % WG_STAGES) * stage_bytes;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+                wgmma_step_ss<BM>(seg, swizzled_desc(st + w_at + warpgroup * 64 * 128 + 32 * kk),
+                                  swizzled_desc(st + 32 * kk), j > j0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<1>();
+        }
+        wgmma_wait<0>();
+        wgmma_pin(seg);
+        wg_segment_ends(seg, before, j0 == 0, j_end == tiles, {nb + row0, m0 + 2 * t, N, M}, out,
+                        accumulate);
+    }
 #endif
 }
 
@@ -1123,7 +1222,10 @@ DEV void gemm_wgmma(const f16_t* __restrict__ X, int M, int K, const u8* __restr
         gemm_wgmma_b##B##_m##BM(const f16_t* X, int M, int K, const u8* W, const f16_t* sz,        \
                                 const f16_t* zeros, int N, int group, const float* sums, int ld,  \
                                 float* out, int accumulate) {                                      \
-        gemm_wgmma<B, BM>(X, M, K, W, sz, zeros, N, group, sums, ld, out, accumulate);             \
+        if constexpr (B == 16)                                                                     \
+            gemm_wgmma_f16<BM>(X, M, K, (const f16_t*)W, N, out, accumulate);                      \
+        else                                                                                       \
+            gemm_wgmma<B, BM>(X, M, K, W, sz, zeros, N, group, sums, ld, out, accumulate);         \
     }
 
 GEMM_TILED_KERNEL(16, 1)
@@ -1154,3 +1256,5 @@ GEMM_WGMMA_KERNEL(4, 64)
 GEMM_WGMMA_KERNEL(4, 128)
 GEMM_WGMMA_KERNEL(2, 64)
 GEMM_WGMMA_KERNEL(2, 128)
+GEMM_WGMMA_KERNEL(16, 64)
+GEMM_WGMMA_KERNEL(16, 128)

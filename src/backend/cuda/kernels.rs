@@ -191,9 +191,10 @@ impl TiledGemmPlan {
     }
 }
 
-/// `gemm_wgmma`'s quantized widths and rows of X per block, in index order, its weight rows per
-/// block (two warpgroups of 64) and its threads (cuda/gemm.cu `WG_COLS`, `WG_THREADS`).
-pub(crate) const WGMMA_GEMM_BITS: [u32; 2] = [4, 2];
+/// `gemm_wgmma`'s weight widths (16: f16 weights) and rows of X per block, in index order, its
+/// weight rows per block (two warpgroups of 64) and its threads (cuda/gemm.cu `WG_COLS`,
+/// `WG_THREADS`).
+pub(crate) const WGMMA_GEMM_BITS: [u32; 3] = [4, 2, 16];
 pub(crate) const WGMMA_GEMM_ROWS: [usize; 2] = [64, 128];
 const WGMMA_GEMM_COLS: usize = 128;
 pub(crate) const WGMMA_GEMM_THREADS: u32 = 256;
@@ -202,8 +203,11 @@ const WGMMA_GEMM_STAGES: usize = 5;
 
 /// Bytes of one stage of `gemm_wgmma` (cuda/gemm.cu `wg_stage_bytes`): X in rows of 128 bytes,
 /// the codes (INT4 rows padded to 48 bytes), the scale and zero words of both 32-wide halves, and
-/// S of both halves; a multiple of 1024 bytes.
+/// S of both halves, a multiple of 1024 bytes; for f16 weights X and the weight rows of 128 bytes.
 fn wgmma_stage_bytes(bits: u32, rows: usize) -> usize {
+    if bits == 16 {
+        return (rows + WGMMA_GEMM_COLS) * 128;
+    }
     let code_row = if bits == 4 { 48 } else { 16 };
     let bytes = rows * 128 + WGMMA_GEMM_COLS * code_row + 4 * WGMMA_GEMM_COLS * 4 + 2 * rows * 4;
     bytes.next_multiple_of(1024)
@@ -217,8 +221,9 @@ pub(crate) fn wgmma_gemm_smem(bits: u32, rows: usize) -> usize {
 }
 
 /// How `gemm_wgmma` covers a product of many rows on a GPU with wgmma (sm_90a): blocks of 128
-/// rows of X where they give every SM a block, else of 64; `gemm_unit_sums` first writes the S
-/// of every unit, `sums_ld` floats per 32-wide K tile, to the backend's scratch.
+/// rows of X where they give every SM a block, else of 64; for quantized weights
+/// `gemm_unit_sums` first writes the S of every unit, `sums_ld` floats per 32-wide K tile, to the
+/// backend's scratch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WgmmaGemmPlan {
     /// Index into [`WGMMA_GEMM_BITS`].
@@ -232,9 +237,9 @@ pub(crate) struct WgmmaGemmPlan {
 }
 
 impl WgmmaGemmPlan {
-    /// The plan, or `None` for f16 weights, K not a multiple of 64, products whose blocks of 64
-    /// rows would leave more than half of the `sms` SMs idle, blocks that do not fit in
-    /// `smem_limit`, or S that does not fit in `sums_capacity` floats.
+    /// The plan, or `None` for K not a multiple of 64, products whose blocks of 64 rows would
+    /// leave more than half of the `sms` SMs idle, blocks that do not fit in `smem_limit`, or
+    /// (quantized weights) S that does not fit in `sums_capacity` floats.
     pub fn new(
         shape: ProductShape,
         sms: usize,
@@ -246,7 +251,8 @@ impl WgmmaGemmPlan {
         } = shape;
         let bits_index = WGMMA_GEMM_BITS.iter().position(|&b| b == bits)?;
         let sums_ld = rows.next_multiple_of(4);
-        if k % 64 != 0 || sums_ld * (k / 32) > sums_capacity {
+        let sums_fit = bits == 16 || sums_ld * (k / 32) <= sums_capacity;
+        if k % 64 != 0 || !sums_fit {
             return None;
         }
         let fits = |r| wgmma_gemm_smem(bits, r) <= smem_limit;
@@ -272,6 +278,11 @@ impl WgmmaGemmPlan {
 
     pub fn grid(&self) -> (u32, u32, u32) {
         self.grid
+    }
+
+    /// Whether the product reads the S of its units (quantized weights).
+    pub fn needs_sums(&self) -> bool {
+        WGMMA_GEMM_BITS[self.bits_index] != 16
     }
 
     /// `gemm_unit_sums`' grid (a warp per 16 rows and segment, 8 warps a block).
@@ -511,7 +522,7 @@ pub(crate) struct Kernels {
     pub swiglu_segments: sys::CUfunction,
     /// `[WGMMA_GEMM_BITS index][WGMMA_GEMM_ROWS index]`: products of many rows on sm_90a (empty
     /// kernels elsewhere), and the S of their units.
-    pub gemm_wgmma: [[sys::CUfunction; 2]; 2],
+    pub gemm_wgmma: [[sys::CUfunction; 2]; 3],
     pub gemm_unit_sums: sys::CUfunction,
     pub linear_generic: sys::CUfunction,
     /// `[a head per warp][dj index]`: over f16 entries, and over quantized entries; index 1 is
@@ -1099,8 +1110,8 @@ fn load_modules(ctx: &CudaContext, cubins: &[Vec<u8>]) -> Result<Kernels> {
         }
         Ok(out)
     };
-    let by_wgmma_rows = || -> Result<[[sys::CUfunction; 2]; 2]> {
-        let mut out = [[std::ptr::null_mut(); 2]; 2];
+    let by_wgmma_rows = || -> Result<[[sys::CUfunction; 2]; 3]> {
+        let mut out = [[std::ptr::null_mut(); 2]; 3];
         for (i, bits) in WGMMA_GEMM_BITS.iter().enumerate() {
             for (j, rows) in WGMMA_GEMM_ROWS.iter().enumerate() {
                 out[i][j] = get(GEMM, &format!("gemm_wgmma_b{bits}_m{rows}"))?;
@@ -1295,7 +1306,7 @@ mod tests {
     }
 
     #[test]
-    fn wgmma_gemm_plan_takes_quantized_products_of_many_rows() {
+    fn wgmma_gemm_plan_takes_products_of_many_rows() {
         let shape = |bits, rows, n, k| ProductShape {
             bits,
             rows,
@@ -1314,12 +1325,16 @@ mod tests {
         let p = WgmmaGemmPlan::new(shape(2, 510, 2048, 2048), SMS, SMEM, sums).unwrap();
         assert_eq!((p.bits_index, WGMMA_GEMM_ROWS[p.rows_index]), (1, 64));
         assert_eq!((p.grid(), p.sums_ld), ((16, 8, 1), 512));
-        // Not for f16 weights, K off the 64-wide tiles, too few blocks, S beyond the scratch, or
-        // blocks beyond the shared memory.
+        // f16 weights read no S, so any scratch does; 128-byte weight rows in a stage.
+        let p = WgmmaGemmPlan::new(shape(16, 2048, 2048, 2048), SMS, SMEM, 0).unwrap();
+        assert_eq!((p.bits_index, WGMMA_GEMM_ROWS[p.rows_index]), (2, 128));
+        assert!(!p.needs_sums());
         assert_eq!(
-            WgmmaGemmPlan::new(shape(16, 2048, 2048, 2048), SMS, SMEM, sums),
-            None
+            wgmma_gemm_smem(16, 128),
+            1024 + 5 * 256 * 128 + 256 * 64 * 4
         );
+        // Not for K off the 64-wide tiles, too few blocks, S beyond the scratch, or blocks
+        // beyond the shared memory.
         assert_eq!(
             WgmmaGemmPlan::new(shape(4, 2048, 2048, 2080), SMS, SMEM, sums),
             None

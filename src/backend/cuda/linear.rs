@@ -348,8 +348,11 @@ impl CudaBackend {
     }
 
     /// The S of every unit of X (`args` are `gemm_b*`'s) for `plan`, into the scratch's partial
-    /// sums, where [`Self::wgmma_on_sums`] reads them.
+    /// sums, where [`Self::wgmma_on_sums`] reads them (none for f16 weights).
     fn unit_sums(&self, args: &[Arg], plan: WgmmaGemmPlan) {
+        if !plan.needs_sums() {
+            return;
+        }
         let (sums, _) = self.gemm_parts();
         let (x, rows, cols, group) = (args[0], args[1], args[2], args[7]);
         let sums_args = [x, rows, cols, group, Arg::usize(plan.sums_ld), Arg::P(sums)];
