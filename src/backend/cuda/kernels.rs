@@ -134,8 +134,9 @@ fn tiled_gemm_threads(rows: usize) -> usize {
 
 /// The blocks of rows of X for a block-tile kernel whose blocks take `cols` weight rows and one
 /// of `block_rows` (ascending) rows of X: the index of the largest that fits (`fits`) and gives
-/// every one of `sms` SMs a block, else of the smallest that fits; `None` where even that leaves
-/// more than half of the SMs idle or nothing fits.
+/// every one of `sms` SMs a block, else of the smallest that fits, and then of the smallest that
+/// gives as many blocks (it wastes less of its tile past the last row); `None` where even the
+/// smallest leaves more than half of the SMs idle or nothing fits.
 fn row_blocks(
     rows: usize,
     n: usize,
@@ -145,10 +146,13 @@ fn row_blocks(
     fits: impl Fn(usize) -> bool,
 ) -> Option<usize> {
     let blocks = |r: usize| n.div_ceil(cols) * rows.div_ceil(r);
-    let i = (0..block_rows.len())
+    let mut i = (0..block_rows.len())
         .rev()
         .filter(|&i| fits(block_rows[i]))
         .find(|&i| blocks(block_rows[i]) >= sms || i == 0)?;
+    while i > 0 && fits(block_rows[i - 1]) && blocks(block_rows[i - 1]) == blocks(block_rows[i]) {
+        i -= 1;
+    }
     (2 * blocks(block_rows[i]) >= sms).then_some(i)
 }
 
@@ -1333,6 +1337,10 @@ mod tests {
             wgmma_gemm_smem(16, 128),
             1024 + 5 * 256 * 128 + 256 * 64 * 4
         );
+        // 32 rows of a head (N = 50304): blocks of 128 rows would give the same 393 blocks as
+        // blocks of 64, with three quarters of each tile past the last row.
+        let p = WgmmaGemmPlan::new(shape(16, 32, 50304, 2048), SMS, SMEM, 0).unwrap();
+        assert_eq!((WGMMA_GEMM_ROWS[p.rows_index], p.grid()), (64, (393, 1, 1)));
         // Not for K off the 64-wide tiles, too few blocks, S beyond the scratch, or blocks
         // beyond the shared memory.
         assert_eq!(

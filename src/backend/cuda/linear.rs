@@ -315,7 +315,9 @@ impl CudaBackend {
     /// floats of the scratch for its partial sums: wgmma's blocks on sm_90a for a whole block of
     /// rows (64) or more, where they fill the GPU and the units' S fits; otherwise split by
     /// segment wherever the partial sums fit; then wgmma for fewer rows; else none (the tiled and
-    /// small kernels).
+    /// small kernels). f16 weights (the head) take wgmma wherever its blocks fill the GPU,
+    /// whatever the rows: they have no unit sums to compute first, and the split kernel's
+    /// partial sums of a product as wide as a head are tens of megabytes written and read again.
     fn block_plan(&self, rows: usize, w: &CudaLinear, n: usize, parts: usize) -> Option<BlockPlan> {
         let smem_limit = self.gpu.smem_optin.saturating_sub(2048);
         let shape = ProductShape {
@@ -332,7 +334,9 @@ impl CudaBackend {
             wgmma,
             SplitGemmPlan::new(shape, self.gpu.sms, smem_limit, parts),
         ) {
-            (Some(plan), split) if rows >= kernels::WGMMA_GEMM_ROWS[0] || split.is_none() => {
+            (Some(plan), split)
+                if rows >= kernels::WGMMA_GEMM_ROWS[0] || split.is_none() || !plan.needs_sums() =>
+            {
                 Some(BlockPlan::Wgmma(plan))
             }
             (_, Some(plan)) => Some(BlockPlan::Split(plan)),
