@@ -225,7 +225,8 @@ pub(crate) fn wgmma_gemm_smem(bits: u32, rows: usize) -> usize {
 }
 
 /// How `gemm_wgmma` covers a product of many rows on a GPU with wgmma (sm_90a): blocks of 128
-/// rows of X where they give every SM a block, else of 64; for quantized weights
+/// rows of X where they give every SM a block and blocks of 64 would not give more, else of 64;
+/// for quantized weights
 /// `gemm_unit_sums` first writes the S of every unit, `sums_ld` floats per 32-wide K tile, to the
 /// backend's scratch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
